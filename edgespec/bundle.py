@@ -1,0 +1,232 @@
+"""The bundle: a directory holding graphs, tokenizer files and the manifest `edgespec.json`.
+
+The manifest is the contract between export and the runtimes: which graphs exist, how
+they were quantized, which EP profile they target, and the sha256 of every file so that a
+truncated download or a half-copied directory is caught before ONNX Runtime reads garbage.
+Bundles are only ever written through `write_bundle`, which builds everything in a
+temporary sibling directory and renames it into place, so a crash never leaves a
+directory that looks like a valid bundle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import MISSING, asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgespec.errors import EdgespecError
+
+MANIFEST = "edgespec.json"
+FORMAT = "edgespec-bundle"
+FORMAT_VERSION = 1
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
+EP_PROFILES = ("cpu", "cuda", "dml")
+KV_LAYOUTS = ("gqa-shared-buffer",)
+
+
+@dataclass
+class ModelEntry:
+    """One decoder graph and the shapes the runtime needs to drive it."""
+
+    graph: str
+    architecture: str
+    precision: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+    params: int
+    block_size: int | None = None
+    kv_layout: str = "gqa-shared-buffer"
+    data_files: list[str] = field(default_factory=list)
+    source: str = ""
+
+
+@dataclass
+class Manifest:
+    target: ModelEntry
+    draft: ModelEntry | None
+    ep_profile: str
+    tokenizer_files: list[str]
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> sha256
+    vocab_map: str | None = None  # .npy of the draft's kept token ids, when trimmed
+    provenance: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {"format": FORMAT, **d}
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fail(path: Path, problem: str) -> EdgespecError:
+    return EdgespecError(f"{path}: {problem}")
+
+
+def _check_type(mpath: Path, where: str, value: Any, kind: type | tuple) -> None:
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise _fail(mpath, f"'{where}' must be {names}, got {type(value).__name__}; "
+                           "the manifest is damaged, re-export the bundle.")
+
+
+def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
+    _check_type(mpath, where, raw, dict)
+    fields = ModelEntry.__dataclass_fields__
+    raw = {k: v for k, v in raw.items() if k in fields}  # newer optional fields: ignored
+    kinds = {"graph": str, "architecture": str, "precision": str, "kv_layout": str,
+             "source": str, "data_files": list, "block_size": (int, type(None))}
+    for name, f in fields.items():
+        if name not in raw:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise _fail(mpath, f"'{where}' lacks the required field '{name}'; "
+                               "the manifest is damaged, re-export the bundle.")
+        _check_type(mpath, f"{where}.{name}", raw[name], kinds.get(name, int))
+    entry = ModelEntry(**raw)
+    if entry.precision not in PRECISIONS:
+        raise _fail(mpath, f"'{where}.precision' is '{entry.precision}', not one of "
+                           f"{', '.join(PRECISIONS)}; re-export the bundle.")
+    if entry.kv_layout not in KV_LAYOUTS:
+        raise _fail(mpath, f"'{where}.kv_layout' is '{entry.kv_layout}', which this edgespec "
+                           "cannot run; upgrade edgespec or re-export the bundle.")
+    return entry
+
+
+def parse_manifest(mpath: Path, raw: Any) -> Manifest:
+    """Validate a decoded manifest; every problem is one sentence naming the file."""
+    _check_type(mpath, "manifest", raw, dict)
+    if raw.get("format") != FORMAT:
+        raise _fail(mpath, f"not an edgespec manifest (format is {raw.get('format')!r}, "
+                           f"expected '{FORMAT}').")
+    version = raw.get("format_version")
+    _check_type(mpath, "format_version", version, int)
+    if version > FORMAT_VERSION:
+        raise _fail(mpath, f"bundle format version {version} is newer than this edgespec "
+                           f"reads (up to {FORMAT_VERSION}); upgrade edgespec.")
+    for key in ("target", "ep_profile", "tokenizer_files", "eos_token_ids", "files"):
+        if key not in raw:
+            raise _fail(mpath, f"the manifest lacks the required field '{key}'; "
+                               "re-export the bundle.")
+    target = _model_entry(mpath, "target", raw["target"])
+    draft = None if raw.get("draft") is None else _model_entry(mpath, "draft", raw["draft"])
+    if raw["ep_profile"] not in EP_PROFILES:
+        raise _fail(mpath, f"'ep_profile' is {raw['ep_profile']!r}, not one of "
+                           f"{', '.join(EP_PROFILES)}; re-export the bundle.")
+    _check_type(mpath, "tokenizer_files", raw["tokenizer_files"], list)
+    _check_type(mpath, "eos_token_ids", raw["eos_token_ids"], list)
+    _check_type(mpath, "files", raw["files"], dict)
+    if draft is not None and draft.vocab_size != target.vocab_size and not raw.get("vocab_map"):
+        raise _fail(mpath, f"the draft's vocabulary ({draft.vocab_size} tokens) differs from "
+                           f"the target's ({target.vocab_size}) and no vocab map is given; "
+                           "re-export with a matching draft.")
+    return Manifest(
+        target=target, draft=draft, ep_profile=raw["ep_profile"],
+        tokenizer_files=raw["tokenizer_files"], eos_token_ids=raw["eos_token_ids"],
+        bos_token_id=raw.get("bos_token_id"), files=raw["files"],
+        vocab_map=raw.get("vocab_map"), provenance=raw.get("provenance", {}),
+        format_version=version)
+
+
+def read_manifest(bundle: Path | str, verify: bool = True) -> Manifest:
+    """Read and validate a bundle's manifest; with `verify`, hash every listed file."""
+    bundle = Path(bundle)
+    if not bundle.exists():
+        raise EdgespecError(f"{bundle} does not exist; pass the directory of an exported "
+                            "bundle (edgespec export ... --out DIR).")
+    if not bundle.is_dir():
+        raise EdgespecError(f"{bundle} is a file, not a bundle directory; pass the directory "
+                            f"that holds {MANIFEST}.")
+    mpath = bundle / MANIFEST
+    if not mpath.is_file():
+        raise EdgespecError(f"{bundle} is not an edgespec bundle: {MANIFEST} is missing; "
+                            "export one with `edgespec export`.")
+    try:
+        raw = json.loads(mpath.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _fail(mpath, f"the manifest is not valid JSON ({e}); re-export the bundle.") from None
+    manifest = parse_manifest(mpath, raw)
+    referenced = [manifest.target.graph, *manifest.target.data_files, *manifest.tokenizer_files]
+    if manifest.draft:
+        referenced += [manifest.draft.graph, *manifest.draft.data_files]
+    if manifest.vocab_map:
+        referenced.append(manifest.vocab_map)
+    for name in referenced:
+        if name not in manifest.files:
+            raise _fail(mpath, f"'{name}' is used but has no sha256 in 'files'; "
+                               "re-export the bundle.")
+    for name, digest in manifest.files.items():
+        path = bundle / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise _fail(mpath, f"file entry '{name}' points outside the bundle; re-export it.")
+        if not path.is_file():
+            raise EdgespecError(f"{path} is missing from the bundle; copy the whole bundle "
+                                "again or re-export it.")
+        if verify and sha256(path) != digest:
+            raise EdgespecError(f"{path} is corrupted (its sha256 does not match the "
+                                "manifest); copy the bundle again or re-export it.")
+    return manifest
+
+
+@contextmanager
+def write_bundle(out: Path | str, overwrite: bool = False) -> Iterator[tuple[Path, Callable]]:
+    """Yield a temporary directory and a `finish(manifest)` callback; rename on success.
+
+    The temp directory is a sibling of `out` (same filesystem, so the rename is atomic)
+    and is deleted if anything fails. `finish` hashes every file it finds, so the
+    manifest always lists exactly what was written.
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise EdgespecError(f"{out} already exists; choose another --out or pass --overwrite.")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    finished: list[Manifest] = []
+
+    def finish(manifest: Manifest) -> Manifest:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; a bundle is a normal folder
+        for p in tmp.rglob("*"):
+            if p.is_file():
+                p.chmod(0o666 & ~umask)
+        manifest.files = {p.relative_to(tmp).as_posix(): sha256(p)
+                          for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != MANIFEST}
+        (tmp / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=2) + "\n")
+        parse_manifest(tmp / MANIFEST, manifest.to_json())
+        finished.append(manifest)
+        return manifest
+
+    try:
+        yield tmp, finish
+        if not finished:
+            raise RuntimeError("write_bundle: finish(manifest) was never called")
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

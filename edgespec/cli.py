@@ -1,0 +1,209 @@
+"""The `edgespec` command line: export, generate, chat, serve, bench, doctor."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.markup import escape
+
+from edgespec.errors import EdgespecError
+from edgespec.runtimes.providers import DEVICES
+
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+model_option = click.option("--model", "model", type=click.Path(path_type=Path),
+                            help="Bundle directory (default: the embedded demo bundle).")
+device_option = click.option("--device", type=click.Choice(DEVICES), default="auto",
+                             show_default=True, help="Execution provider to run on.")
+mode_option = click.option("--mode", type=click.Choice(["ar", "spec", "lookup"]),
+                           default="spec", show_default=True,
+                           help="ar: target alone; spec: draft model speculation; "
+                                "lookup: prompt-lookup drafting.")
+
+
+def _stats_line(stats: dict) -> str:
+    line = (f"{stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tok/s, "
+            f"{stats['target_passes']} target passes, "
+            f"{stats['tokens_per_target_pass']:.2f} tokens/pass")
+    if stats["mode"] != "ar":
+        line += f", acceptance {stats['acceptance_rate']:.0%}"
+    return escape(line + f" [{stats['mode']}, {stats['device']}]")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="edgespec")
+def cli() -> None:
+    """Lossless speculative decoding for LLMs with ONNX Runtime."""
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--draft", help="Draft checkpoint directory or Hub id (same tokenizer).")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="Bundle directory to create.")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int4", "int2"]),
+              default="int8", show_default=True, help="Target weight precision.")
+@click.option("--draft-precision", type=click.Choice(["fp32", "fp16", "int8", "int4", "int2"]),
+              help="Draft weight precision (default: --precision).")
+@click.option("--block-size", type=click.Choice(["32", "64", "128"]), default="32",
+              show_default=True, help="Quantization block size along the input dimension.")
+@click.option("--ep-profile", type=click.Choice(["cpu", "cuda", "dml"]), default="cpu",
+              show_default=True, help="Execution provider the graphs are built for.")
+@click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="0",
+              show_default=True, help="MatMulNBits activations: 0 fp32, 4 int8 (faster on CPU).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow downloading model code files.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
+def export(target: str, draft: str | None, out: Path, precision: str,
+           draft_precision: str | None, block_size: str, ep_profile: str, accuracy_level: str,
+           trust_remote_code: bool, overwrite: bool) -> None:
+    """Export a Hugging Face TARGET (directory or Hub id) and a draft into a bundle."""
+    from edgespec.export import export as run_export
+
+    run_export(target, out, draft=draft, precision=precision,
+               draft_precision=draft_precision, block_size=int(block_size),
+               ep_profile=ep_profile, accuracy_level=int(accuracy_level), overwrite=overwrite,
+               trust_remote_code=trust_remote_code, console=err)
+
+
+@cli.command()
+@click.argument("prompt", required=False)
+@model_option
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="0 = greedy.")
+@click.option("--top-p", default=1.0, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True))
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0),
+              help="0 = off.")
+@click.option("--seed", type=int, help="Seed for sampling.")
+@mode_option
+@click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="Tokens drafted per target pass.")
+@device_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temperature: float,
+             top_p: float, top_k: int, seed: int | None, mode: str, draft_tokens: int,
+             device: str, as_json: bool) -> None:
+    """Continue PROMPT (or stdin) with the model."""
+    from edgespec.engine import GenerationConfig, load
+
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise EdgespecError("give a prompt as an argument or on stdin.")
+        prompt = sys.stdin.read()
+    engine = load(model, device=device)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, top_k=top_k, seed=seed, mode=mode,
+                              draft_tokens=draft_tokens)
+    if as_json:
+        click.echo(json.dumps(engine.generate(prompt, config).to_dict()))
+        return
+    click.echo(prompt, nl=False)
+    record = None
+    for record in engine.records(prompt, config):
+        click.echo(record.text, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    if record is not None:
+        err.print(f"[dim]{_stats_line(record.stats.to_dict())}[/dim]")
+
+
+@cli.command()
+@model_option
+@device_option
+@mode_option
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--no-stats", is_flag=True, help="Do not print a stats line after each answer.")
+def chat(model: Path | None, device: str, mode: str, temperature: float,
+         max_new_tokens: int, no_stats: bool) -> None:
+    """Chat in the terminal with the bundle's chat template (Ctrl-D exits)."""
+    from edgespec.engine import GenerationConfig, load
+
+    engine = load(model, device=device)
+    history: list[dict[str, str]] = []
+    err.print("[dim]edgespec chat: /reset clears the conversation, Ctrl-D exits[/dim]")
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            click.echo()
+            return
+        if line.strip() == "/reset":
+            history.clear()
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        ids = engine.tokenizer.encode_chat(history)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                                  mode=mode)
+        reply, record = [], None
+        try:
+            for record in engine.records(ids, config):
+                reply.append(record.text)
+                click.echo(record.text, nl=False)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            engine.cancel()
+        click.echo()
+        history.append({"role": "assistant", "content": "".join(reply)})
+        if record is not None and not no_stats:
+            err.print(f"[dim]{_stats_line(record.stats.to_dict())}[/dim]")
+
+
+@cli.command()
+@model_option
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--api-key", help="Require this Bearer token.")
+@device_option
+def serve(model: Path | None, host: str, port: int, api_key: str | None, device: str) -> None:
+    """Serve an OpenAI-compatible HTTP API."""
+    raise EdgespecError("`edgespec serve` is not implemented in this version yet; use the "
+                        "Python API (edgespec.load) or `edgespec generate`.")
+
+
+@cli.command()
+@model_option
+@device_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def bench(model: Path | None, device: str, as_json: bool) -> None:
+    """Benchmark every decoding mode on the shipped prompt set."""
+    raise EdgespecError("`edgespec bench` is not implemented in this version yet; "
+                        "`edgespec generate --json` reports per-run speed.")
+
+
+@cli.command()
+def doctor() -> None:
+    """Report versions, the execution providers that really run here, and the demo bundle."""
+    from edgespec.doctor import report
+
+    report(Console(highlight=False))
+
+
+def main() -> None:
+    """Entry point: user errors become one red sentence and exit code 1, not a traceback."""
+    try:
+        code = cli.main(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except click.exceptions.Abort:
+        err.print("aborted.")
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except EdgespecError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Hugging Face checkpoint(s) -> an edgespec bundle (graphs, tokenizer, manifest)."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import onnx
+import onnxruntime
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from edgespec import __version__
+from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
+from edgespec.errors import EdgespecError
+from edgespec.export.architectures import adapter_for
+from edgespec.export.checkpoint import load_checkpoint
+from edgespec.export.graph import build_decoder
+from edgespec.export.hub import resolve_checkpoint
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "special_tokens_map.json", "chat_template.jinja")
+EXPORTED_PRECISIONS = ("fp32", "int8", "int4", "int2")
+EXPORTED_PROFILES = ("cpu",)
+
+
+def _vocab(path: Path) -> dict[str, int]:
+    model = json.loads((path / "tokenizer.json").read_text())["model"]
+    vocab = dict(model["vocab"]) if isinstance(model["vocab"], dict) else {
+        tok: i for i, (tok, _) in enumerate(model["vocab"])}
+    for added in json.loads((path / "tokenizer.json").read_text()).get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    return vocab
+
+
+def check_same_vocab(target: Path, draft: Path) -> None:
+    """Speculation compares token ids, so both models must mean the same thing by each id."""
+    for p in (target, draft):
+        if not (p / "tokenizer.json").is_file():
+            raise EdgespecError(f"{p} has no tokenizer.json; edgespec needs a fast tokenizer.")
+    t, d = _vocab(target), _vocab(draft)
+    if t == d:
+        return
+    t_by_id = {i: s for s, i in t.items()}
+    d_by_id = {i: s for s, i in d.items()}
+    diffs = [f"id {i}: target {t_by_id.get(i)!r} vs draft {d_by_id.get(i)!r}"
+             for i in sorted(set(t_by_id) | set(d_by_id)) if t_by_id.get(i) != d_by_id.get(i)]
+    raise EdgespecError(f"the draft's tokenizer differs from the target's ({len(diffs)} ids "
+                        f"differ, first: {'; '.join(diffs[:3])}); pick a draft from the "
+                        "same model family.")
+
+
+def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_size: int,
+                  accuracy_level: int, progress: Progress) -> ModelEntry:
+    task = progress.add_task(f"{role}: loading {ckpt_dir.name}", total=None)
+    adapter = adapter_for(load_checkpoint(ckpt_dir))
+    spec = adapter.spec
+    params = sum(int(t.size) for t in adapter.ckpt.tensors.values())
+    progress.update(task, total=spec.num_layers + 1, completed=0,
+                    description=f"{role}: building {precision} graph")
+    model = build_decoder(spec, adapter.embeddings(), adapter.layers(), adapter.final_norm(),
+                          adapter.lm_head(), precision, block_size, accuracy_level,
+                          on_layer=lambda i: progress.advance(task))
+    progress.update(task, description=f"{role}: writing {role}.onnx")
+    onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=f"{role}.onnx.data",
+                    size_threshold=1024)
+    progress.update(task, completed=spec.num_layers + 1, description=f"{role}: done")
+    return ModelEntry(
+        graph=f"{role}.onnx", data_files=[f"{role}.onnx.data"],
+        architecture=spec.architecture, precision=precision,
+        block_size=None if precision == "fp32" else block_size,
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        max_positions=spec.max_positions, params=params, source=str(ckpt_dir))
+
+
+def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
+           precision: str = "int8", draft_precision: str | None = None, block_size: int = 32,
+           ep_profile: str = "cpu", accuracy_level: int = 0, overwrite: bool = False,
+           trust_remote_code: bool = False, console: Console | None = None) -> Manifest:
+    """Export a target (and optionally a draft) checkpoint into a bundle at `out`.
+
+    `accuracy_level` is MatMulNBits' activation precision: 0 keeps activations in fp32
+    (the numerically faithful default), 4 quantizes them to int8 on the CPU (faster,
+    ~1e-2 relative error).
+    """
+    console = console or Console(stderr=True)
+    draft_precision = draft_precision or precision
+    for p in (precision, draft_precision):
+        if p not in EXPORTED_PRECISIONS:
+            known = f"; known precisions are {', '.join(PRECISIONS)}" if p in PRECISIONS else ""
+            raise EdgespecError(f"precision '{p}' cannot be exported yet{known}; use one of "
+                                f"{', '.join(EXPORTED_PRECISIONS)}.")
+    if ep_profile not in EXPORTED_PROFILES:
+        raise EdgespecError(f"EP profile '{ep_profile}' cannot be exported yet; use "
+                            f"{', '.join(EXPORTED_PROFILES)}.")
+    if block_size not in (16, 32, 64, 128, 256):
+        raise EdgespecError(f"block size {block_size} is not supported; use 32, 64 or 128.")
+    start = time.time()
+    target_dir = resolve_checkpoint(target, trust_remote_code)
+    draft_dir = resolve_checkpoint(draft, trust_remote_code) if draft else None
+    if draft_dir:
+        check_same_vocab(target_dir, draft_dir)
+    if not (target_dir / "tokenizer.json").is_file():
+        raise EdgespecError(f"{target_dir} has no tokenizer.json; edgespec needs a fast "
+                            "tokenizer next to the weights.")
+    gen_cfg = {}
+    if (target_dir / "generation_config.json").is_file():
+        gen_cfg = json.loads((target_dir / "generation_config.json").read_text())
+    config = json.loads((target_dir / "config.json").read_text())
+    eos = gen_cfg.get("eos_token_id", config.get("eos_token_id"))
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+
+    columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
+    with write_bundle(out, overwrite) as (tmp, finish), Progress(*columns, console=console,
+                                                                 transient=True) as progress:
+        target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
+                                     accuracy_level, progress)
+        draft_entry = (_export_model(draft_dir, "draft", tmp, draft_precision, block_size,
+                                     accuracy_level, progress) if draft_dir else None)
+        tok_files = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
+        for f in tok_files:
+            shutil.copy2(target_dir / f, tmp / f)
+        manifest = finish(Manifest(
+            target=target_entry, draft=draft_entry, ep_profile=ep_profile,
+            tokenizer_files=tok_files, eos_token_ids=eos_ids,
+            bos_token_id=gen_cfg.get("bos_token_id", config.get("bos_token_id")),
+            provenance={"edgespec": __version__, "onnx": onnx.__version__,
+                        "onnxruntime": onnxruntime.__version__,
+                        "python": platform.python_version(),
+                        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                        "target": str(target), "draft": str(draft) if draft else None,
+                        "accuracy_level": accuracy_level}))
+        sizes = {name: (tmp / name).stat().st_size for name in manifest.files}
+    _summary(console, manifest, sizes, time.time() - start, Path(out))
+    return manifest
+
+
+def _summary(console: Console, manifest: Manifest, sizes: dict[str, int], seconds: float,
+             out: Path) -> None:
+    table = Table(title=f"bundle {out} ({seconds:.1f} s)")
+    for col in ("file", "size", "model", "precision", "parameters"):
+        table.add_column(col, justify="right" if col in ("size", "parameters") else "left")
+    models = {"target": manifest.target, "draft": manifest.draft}
+    for name, size in sizes.items():
+        role = name.split(".")[0]
+        entry = models.get(role) if name.endswith(".onnx") else None
+        table.add_row(name, f"{size / 2**20:.2f} MiB", role if entry else "",
+                      entry.precision if entry else "", f"{entry.params / 1e6:.2f} M" if entry
+                      else "")
+    console.print(table)

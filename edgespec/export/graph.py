@@ -1,0 +1,168 @@
+"""Build the decoder-step ONNX graph that every edgespec runtime drives.
+
+Contract (DESIGN.md): inputs `input_ids [1,S]`, `position_ids [1,S]`,
+`attention_bias [1,1,S,T]` (T = past + S; added to the causal scores, so a token *tree*
+of S nodes is verified in one pass by masking non-ancestors with -inf), and per layer
+`past_key_i` / `past_value_i` of shape [1, kv_heads, max_len, head_dim]. Outputs:
+`logits [1,S,V]` and `present_key_i` / `present_value_i`.
+
+The cpu profile uses GroupQueryAttention with a shared past/present buffer: the runtime
+binds the same OrtValue to `past_key_i` and `present_key_i`, GQA writes the S new
+entries at slots past..past+S-1 and nothing is copied. GQA applies RoPE itself, reading
+the rotation from `position_ids` (tree nodes take their depth), and derives the past
+length from the total length, which the graph reads off the bias' last dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from edgespec.export.architectures import DecoderSpec, LayerWeights
+from edgespec.quant import quantize_blockwise
+
+OPSET = 21
+MS = "com.microsoft"
+BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def rope_cache(spec: DecoderSpec) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin [max_positions, head_dim/2] for the half-split (rotate_half) layout."""
+    inv_freq = 1.0 / spec.rope_theta ** (np.arange(0, spec.head_dim, 2, dtype=np.float64)
+                                          / spec.head_dim)
+    angles = np.outer(np.arange(spec.max_positions, dtype=np.float64), inv_freq)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+class GraphBuilder:
+    """Accumulates nodes and initializers; `linear` picks MatMul or MatMulNBits."""
+
+    def __init__(self, precision: str, block_size: int, accuracy_level: int):
+        self.precision = precision
+        self.block_size = block_size
+        self.accuracy_level = accuracy_level
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+
+    def const(self, name: str, array: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(array, name))
+        return name
+
+    def node(self, op: str, inputs: Iterable[str], outputs: Iterable[str], name: str,
+             domain: str = "", **attrs) -> list[str]:
+        outputs = list(outputs)
+        self.nodes.append(helper.make_node(op, list(inputs), outputs, name=name,
+                                           domain=domain, **attrs))
+        return outputs
+
+    def linear(self, x: str, weight: np.ndarray, name: str, bits: int | None = None) -> str:
+        """y = x @ weight.T, weight in the [out, in] layout."""
+        n, k = weight.shape
+        bits = bits or BITS.get(self.precision)
+        if bits is None:
+            w = self.const(f"{name}.weight", np.ascontiguousarray(weight.T.astype(np.float32)))
+            return self.node("MatMul", [x, w], [f"{name}.out"], name)[0]
+        q = quantize_blockwise(weight, bits, self.block_size)
+        b = self.const(f"{name}.qweight", q.packed)
+        s = self.const(f"{name}.scales", q.scales)
+        return self.node("MatMulNBits", [x, b, s], [f"{name}.out"], name, domain=MS,
+                         K=k, N=n, bits=bits, block_size=self.block_size,
+                         accuracy_level=self.accuracy_level)[0]
+
+
+def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[LayerWeights],
+                  final_norm: np.ndarray, lm_head: np.ndarray, precision: str = "fp32",
+                  block_size: int = 32, accuracy_level: int = 0,
+                  on_layer: Callable[[int], None] | None = None) -> onnx.ModelProto:
+    """The whole decoder step as one graph.
+
+    Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
+    precision costs memory, not speed) and the LM head at 8 bits even for int4/int2
+    bodies: the head decides which token wins, and low-bit heads cost accuracy that
+    no speculative trick recovers.
+    """
+    g = GraphBuilder(precision, block_size, accuracy_level)
+    s_dim, t_dim = "sequence", "total_sequence"
+    kv_shape = [1, spec.num_kv_heads, "max_length", spec.head_dim]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, s_dim]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, s_dim]),
+              helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT,
+                                            [1, 1, s_dim, t_dim])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                             [1, s_dim, spec.vocab_size])]
+    for i in range(spec.num_layers):
+        for kind in ("key", "value"):
+            inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", TensorProto.FLOAT,
+                                                        kv_shape))
+            outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}",
+                                                         TensorProto.FLOAT, kv_shape))
+
+    if precision == "fp32":
+        x = g.node("Gather", [g.const("embed.weight", embeddings), "input_ids"],
+                   ["embed.out"], "embed")[0]
+    else:
+        half = g.node("Gather", [g.const("embed.weight", embeddings.astype(np.float16)),
+                                 "input_ids"], ["embed.half"], "embed")[0]
+        x = g.node("Cast", [half], ["embed.out"], "embed.cast", to=TensorProto.FLOAT)[0]
+
+    # GQA's lengths, read off the bias: total = T, seqlens_k = T - 1.
+    shape = g.node("Shape", ["attention_bias"], ["bias.shape"], "bias.shape")[0]
+    total64 = g.node("Gather", [shape, g.const("three", np.array(3, np.int64))],
+                     ["total.i64"], "total.gather", axis=0)[0]
+    total = g.node("Cast", [total64], ["total_sequence_length"], "total.cast",
+                   to=TensorProto.INT32)[0]
+    seqlens = g.node("Sub", [total, g.const("one", np.array(1, np.int32))], ["seqlens.s"],
+                     "seqlens.sub")[0]
+    seqlens_k = g.node("Reshape", [seqlens, g.const("shape1", np.array([1], np.int64))],
+                       ["seqlens_k"], "seqlens.reshape")[0]
+    cos, sin = rope_cache(spec)
+    cos_name, sin_name = g.const("cos_cache", cos), g.const("sin_cache", sin)
+    eps = spec.rms_norm_eps
+
+    resid, delta = x, None
+    for i, lw in enumerate(layers):
+        p = f"layers.{i}"
+        w_in = g.const(f"{p}.input_norm", lw.input_norm)
+        if delta is None:
+            h = g.node("SimplifiedLayerNormalization", [resid, w_in], [f"{p}.norm1"],
+                       f"{p}.norm1", epsilon=eps, axis=-1, stash_type=1)[0]
+        else:
+            h, _, _, resid = g.node("SkipSimplifiedLayerNormalization", [resid, delta, w_in],
+                                    [f"{p}.norm1", "", "", f"{p}.resid1"], f"{p}.norm1",
+                                    domain=MS, epsilon=eps)
+        qkv = g.linear(h, lw.qkv, f"{p}.qkv")
+        attn = g.node("GroupQueryAttention",
+                      [qkv, "", "", f"past_key_{i}", f"past_value_{i}", seqlens_k, total,
+                       cos_name, sin_name, "position_ids", "attention_bias"],
+                      [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
+                      domain=MS, num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
+                      do_rotary=1, rotary_interleaved=0)[0]
+        o = g.linear(attn, lw.o, f"{p}.o")
+        h, _, _, resid = g.node("SkipSimplifiedLayerNormalization",
+                                [resid, o, g.const(f"{p}.post_norm", lw.post_attention_norm)],
+                                [f"{p}.norm2", "", "", f"{p}.resid2"], f"{p}.norm2",
+                                domain=MS, epsilon=eps)
+        gate, up = g.node("Split", [g.linear(h, lw.gate_up, f"{p}.gate_up")],
+                          [f"{p}.gate", f"{p}.up"], f"{p}.split", axis=-1, num_outputs=2)
+        sig = g.node("Sigmoid", [gate], [f"{p}.sig"], f"{p}.sig")[0]
+        silu = g.node("Mul", [gate, sig], [f"{p}.silu"], f"{p}.silu")[0]
+        act = g.node("Mul", [silu, up], [f"{p}.act"], f"{p}.act")[0]
+        delta = g.linear(act, lw.down, f"{p}.down")
+        if on_layer:
+            on_layer(i)
+
+    h, _, _, _ = g.node("SkipSimplifiedLayerNormalization",
+                        [resid, delta, g.const("final_norm", final_norm)],
+                        ["final.norm", "", "", ""], "final.norm", domain=MS, epsilon=eps)
+    head_bits = None if precision == "fp32" else 8
+    logits = g.linear(h, lm_head, "lm_head", bits=head_bits)
+    g.node("Identity", [logits], ["logits"], "logits")
+
+    graph = helper.make_graph(g.nodes, f"edgespec-{spec.architecture}", inputs, outputs,
+                              initializer=g.inits)
+    return helper.make_model(graph, producer_name="edgespec", ir_version=10,
+                             opset_imports=[helper.make_opsetid("", OPSET),
+                                            helper.make_opsetid(MS, 1)])

@@ -1,0 +1,99 @@
+"""One decoder graph as an ONNX Runtime session with a KV cache that lives across steps.
+
+The cache is a fixed [1, kv_heads, max_len, head_dim] buffer per layer and tensor, bound
+through IOBinding as both `past_*` and `present_*`: GroupQueryAttention writes new entries
+in place, so no step copies the cache. Rolling back (speculation rejected some tokens) is
+just lowering `length`; the stale slots are overwritten by the next pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from edgespec.bundle import ModelEntry
+from edgespec.errors import EdgespecError
+from edgespec.runtimes.providers import check_session
+
+NEG_INF = np.finfo(np.float32).min
+
+
+class KVCache:
+    """Per-layer key/value buffers and the number of valid positions."""
+
+    def __init__(self, entry: ModelEntry, max_len: int, device: str = "cpu"):
+        shape = [1, entry.num_kv_heads, max_len, entry.head_dim]
+        ort_device = "cuda" if device == "cuda" else "cpu"
+        self.buffers = [
+            (ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, ort_device),
+             ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, ort_device))
+            for _ in range(entry.num_layers)]
+        self.max_len = max_len
+        self.length = 0
+
+    def trim(self, n: int) -> None:
+        """Forget the last `n` positions (speculative rollback, chat edits)."""
+        self.length = max(0, self.length - n)
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+def causal_bias(past: int, s: int) -> np.ndarray:
+    """The bias for a plain left-to-right chunk: GQA's own causal mask does the work."""
+    return np.zeros((1, 1, s, past + s), dtype=np.float32)
+
+
+class DecoderSession:
+    """Drive one exported decoder graph step by step."""
+
+    def __init__(self, path: Path, entry: ModelEntry, providers: list[str],
+                 device: str = "auto", max_len: int | None = None, threads: int = 0):
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=providers)
+        except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+            raise EdgespecError(f"ONNX Runtime cannot load {path} ({str(e).splitlines()[0]}); "
+                                "re-export the bundle.") from None
+        self.device = check_session(self.session, device, providers)
+        self.entry = entry
+        self.max_len = min(max_len or entry.max_positions, entry.max_positions)
+        self.cache = KVCache(entry, self.max_len, self.device)
+        self.binding = self.session.io_binding()
+        self.binding.bind_output("logits", "cpu")  # first, so it is get_outputs()[0]
+        for i, (k, v) in enumerate(self.cache.buffers):
+            self.binding.bind_ortvalue_input(f"past_key_{i}", k)
+            self.binding.bind_ortvalue_input(f"past_value_{i}", v)
+            self.binding.bind_ortvalue_output(f"present_key_{i}", k)
+            self.binding.bind_ortvalue_output(f"present_value_{i}", v)
+
+    def forward(self, ids: list[int] | np.ndarray, positions: np.ndarray | None = None,
+                bias: np.ndarray | None = None) -> np.ndarray:
+        """Append `ids` after the cached prefix and return their logits [S, V].
+
+        `positions` and `bias` default to a left-to-right chunk; a token tree passes node
+        depths and a [1,1,S,past+S] bias with -inf for non-ancestors.
+        """
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        s, past = ids.shape[1], self.cache.length
+        if past + s > self.max_len:
+            raise EdgespecError(f"the sequence needs {past + s} positions but the model's "
+                                f"context holds {self.max_len}; shorten the prompt or "
+                                "max_new_tokens.")
+        if positions is None:
+            positions = np.arange(past, past + s, dtype=np.int64)
+        if bias is None:
+            bias = causal_bias(past, s)
+        self.binding.bind_cpu_input("input_ids", ids)
+        self.binding.bind_cpu_input("position_ids",
+                                    np.asarray(positions, dtype=np.int64).reshape(1, -1))
+        self.binding.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))
+        self.binding.bind_output("logits", "cpu")  # fresh: its shape follows S
+        self.session.run_with_iobinding(self.binding)
+        self.cache.length = past + s
+        return self.binding.get_outputs()[0].numpy()[0]

@@ -1,0 +1,46 @@
+"""Execution provider choice, and the check of what a session really got.
+
+onnxruntime-gpu imports fine without CUDA, lists CUDAExecutionProvider as available and
+then silently runs on the CPU. So a device is only "working" after a session was created
+on it and `session.get_providers()` still names it.
+"""
+
+from __future__ import annotations
+
+import onnxruntime as ort
+
+from edgespec.errors import EdgespecError
+
+DEVICES = ("auto", "cuda", "dml", "cpu")
+PROVIDER = {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider",
+            "cpu": "CPUExecutionProvider"}
+EXTRA = {"cuda": "pip install 'edgespec[gpu]' (onnxruntime-gpu with CUDA 12/13 and cuDNN 9)",
+         "dml": "pip install 'edgespec[directml]' on Windows"}
+
+
+def resolve_providers(device: str = "auto") -> list[str]:
+    """Providers to ask ONNX Runtime for, in order of preference."""
+    if device not in DEVICES:
+        raise EdgespecError(f"unknown device '{device}'; choose one of {', '.join(DEVICES)}.")
+    available = ort.get_available_providers()
+    if device == "auto":
+        wanted = [PROVIDER[d] for d in ("cuda", "dml") if PROVIDER[d] in available]
+        return [*wanted, PROVIDER["cpu"]]
+    if PROVIDER[device] not in available:
+        hint = f"; install it with {EXTRA[device]}" if device in EXTRA else ""
+        raise EdgespecError(f"the {device} execution provider is not available in this "
+                            f"onnxruntime ({', '.join(available)}){hint}, or use --device cpu.")
+    return [PROVIDER[device]] if device == "cpu" else [PROVIDER[device], PROVIDER["cpu"]]
+
+
+def check_session(session: ort.InferenceSession, device: str, providers: list[str]) -> str:
+    """The device a session actually runs on; an explicit request that fell back is an error."""
+    got = session.get_providers()
+    if device not in ("auto", "cpu") and PROVIDER[device] not in got:
+        raise EdgespecError(f"ONNX Runtime could not start the {device} execution provider "
+                            f"(the session fell back to {got[0]}); check the drivers and "
+                            f"libraries it needs, or use --device cpu.")
+    for name in providers:
+        if name in got:
+            return next(d for d, p in PROVIDER.items() if p == name)
+    return "cpu"
