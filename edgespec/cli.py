@@ -53,8 +53,9 @@ def cli() -> None:
               show_default=True, help="Quantization block size along the input dimension.")
 @click.option("--ep-profile", type=click.Choice(["cpu", "cuda", "dml"]), default="cpu",
               show_default=True, help="Execution provider the graphs are built for.")
-@click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="0",
-              show_default=True, help="MatMulNBits activations: 0 fp32, 4 int8 (faster on CPU).")
+@click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
+              show_default=True,
+              help="Quantized matmuls: 4 = int8 activations (fast on CPU), 0 = fp32.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow downloading model code files.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
 def export(target: str, draft: str | None, out: Path, precision: str,

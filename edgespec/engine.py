@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,7 @@ import numpy as np
 from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.runtimes import DecoderSession, resolve_providers
-from edgespec.spec import SamplingParams, sample, verify_chain, warp
-from edgespec.spec.sampling import sample_probs
+from edgespec.spec import GenerationStats, SamplingParams, ar_decode, chain_decode
 from edgespec.tokenizer import Tokenizer
 
 MODES = ("ar", "spec", "lookup")
@@ -64,44 +63,6 @@ class GenerationConfig:
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
-
-
-@dataclass
-class GenerationStats:
-    mode: str
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    target_passes: int = 0
-    draft_passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    wall_s: float = 0.0
-    prefill_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    device: str = "cpu"
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_target_pass(self) -> float:
-        decode_passes = self.target_passes - 1  # the prefill pass commits only one token
-        return (self.new_tokens - 1) / decode_passes if decode_passes > 0 else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        decode_s = self.wall_s - self.prefill_s
-        return (self.new_tokens - 1) / decode_s if decode_s > 0 and self.new_tokens > 1 else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.update(acceptance_rate=self.acceptance_rate,
-                 tokens_per_target_pass=self.tokens_per_target_pass,
-                 tokens_per_second=self.tokens_per_second,
-                 other_s=max(0.0, self.wall_s - self.prefill_s - self.draft_s - self.verify_s))
-        return {k: round(v, 6) if isinstance(v, float) else v for k, v in d.items()}
 
 
 @dataclass
@@ -188,9 +149,13 @@ class Engine:
         detok = self.tokenizer.detokenizer(skip_special_tokens=True)
         start = time.perf_counter()
         budget = min(config.max_new_tokens, self.context_length - len(ids))
-        step = self._ar_steps if config.mode == "ar" else self._chain_steps
+        if config.mode == "ar":
+            steps = ar_decode(self.target, ids, config.sampling, rng, stats)
+        else:
+            steps = chain_decode(self.target, self.draft, ids, config.sampling,
+                                 config.draft_tokens, rng, stats)
         produced = 0
-        for tokens in step(ids, config, rng, stats):
+        for tokens in steps:
             finish = None
             for n, tok in enumerate(tokens):
                 if tok in self.eos_ids:
@@ -209,70 +174,6 @@ class Engine:
             yield _Record(tokens, text, stats, finish)
             if finish:
                 return
-
-    def _prefill(self, ids: list[int], config: GenerationConfig, rng: np.random.Generator,
-                 stats: GenerationStats) -> int:
-        t0 = time.perf_counter()
-        self.target.cache.reset()
-        logits = self.target.forward(ids)
-        stats.target_passes += 1
-        stats.prefill_s = time.perf_counter() - t0
-        return sample(logits[-1], config.sampling, rng)
-
-    def _ar_steps(self, ids: list[int], config: GenerationConfig, rng: np.random.Generator,
-                  stats: GenerationStats) -> Iterator[list[int]]:
-        tok = self._prefill(ids, config, rng, stats)
-        while True:
-            yield [tok]
-            t0 = time.perf_counter()
-            logits = self.target.forward([tok])
-            stats.verify_s += time.perf_counter() - t0
-            stats.target_passes += 1
-            tok = sample(logits[-1], config.sampling, rng)
-
-    def _chain_steps(self, ids: list[int], config: GenerationConfig, rng: np.random.Generator,
-                     stats: GenerationStats) -> Iterator[list[int]]:
-        """Draft γ tokens, verify them in one target pass, keep the accepted prefix.
-
-        Invariant between steps: `tokens` is everything committed; each cache holds a
-        prefix of it and the last committed token is always still to be fed.
-        """
-        draft, target, params = self.draft, self.target, config.sampling
-        assert draft is not None
-        draft.cache.reset()
-        tokens = [*ids, self._prefill(ids, config, rng, stats)]
-        yield tokens[-1:]
-        while True:
-            room = target.max_len - len(tokens)  # positions left for the verify pass
-            gamma = min(config.draft_tokens, room)
-            t0 = time.perf_counter()
-            proposals: list[int] = []
-            q_rows = []
-            feed = tokens[draft.cache.length:]
-            for _ in range(max(gamma, 0)):
-                logits = draft.forward(feed)[-1]
-                stats.draft_passes += 1
-                if params.greedy:
-                    tok = int(np.argmax(logits))
-                else:
-                    q_rows.append(warp(logits, params))
-                    tok = sample_probs(q_rows[-1], rng)
-                proposals.append(tok)
-                feed = [tok]
-            t1 = time.perf_counter()
-            logits = target.forward(tokens[target.cache.length:] + proposals)
-            stats.target_passes += 1
-            n, nxt = verify_chain(logits[-(len(proposals) + 1):], proposals,
-                                  np.stack(q_rows) if q_rows else None, params, rng)
-            stats.draft_s += t1 - t0
-            stats.verify_s += time.perf_counter() - t1
-            stats.drafted += len(proposals)
-            stats.accepted += n
-            new = proposals[:n] + [nxt]
-            tokens += new
-            target.cache.trim(target.cache.length - (len(tokens) - 1))
-            draft.cache.trim(max(0, draft.cache.length - (len(tokens) - 1)))
-            yield new
 
     def stream(self, prompt: str | list[int], config: GenerationConfig | None = None,
                **kwargs: Any) -> Iterator[str]:

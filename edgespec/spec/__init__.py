@@ -1,6 +1,9 @@
 """Speculative decoding algorithms over plain numpy arrays (no ONNX Runtime here)."""
 
 from edgespec.spec.chain import verify_chain
+from edgespec.spec.decode import ar_decode, chain_decode
 from edgespec.spec.sampling import SamplingParams, sample, warp
+from edgespec.spec.stats import GenerationStats
 
-__all__ = ["SamplingParams", "sample", "verify_chain", "warp"]
+__all__ = ["GenerationStats", "SamplingParams", "ar_decode", "chain_decode", "sample",
+           "verify_chain", "warp"]

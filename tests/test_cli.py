@@ -1,0 +1,131 @@
+"""The `edgespec` command as users run it: a real subprocess, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from edgespec.bundle import MANIFEST
+
+
+def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgespec.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_on_demo_bundle():
+    out = run("generate", "def quicksort(items):", "--max-new-tokens", "48", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert set(result) >= {"text", "token_ids", "stats"}
+    assert set(result["stats"]) >= {"mode", "prompt_tokens", "new_tokens", "target_passes",
+                                    "draft_passes", "acceptance_rate",
+                                    "tokens_per_target_pass", "tokens_per_second", "wall_s"}
+    assert result["stats"]["mode"] == "spec"
+    assert 0 < len(result["token_ids"]) <= 48
+    again = json.loads(run("generate", "def quicksort(items):", "--max-new-tokens", "48",
+                           "--json").stdout)
+    assert again["token_ids"] == result["token_ids"] and again["text"] == result["text"]
+    ar = json.loads(run("generate", "def quicksort(items):", "--max-new-tokens", "48",
+                        "--json", "--mode", "ar").stdout)
+    assert ar["token_ids"] == result["token_ids"]
+
+
+def test_generate_streams_prompt_and_continuation():
+    out = run("generate", "--max-new-tokens", "16", stdin="class Stack:\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("class Stack:\n") and len(out.stdout) > len("class Stack:\n")
+    assert "tok/s" in out.stderr and "[spec, cpu]" in out.stderr
+
+
+@pytest.mark.parametrize("command", ["export", "generate", "chat", "serve", "bench", "doctor"])
+def test_help(command):
+    out = run(command, "--help")
+    assert out.returncode == 0 and "Usage:" in out.stdout
+
+
+def test_doctor():
+    out = run("doctor")
+    assert out.returncode == 0, out.stderr
+    assert "provider cpu" in out.stdout and "works" in out.stdout
+    assert "demo bundle" in out.stdout and "ok" in out.stdout
+
+
+def assert_user_error(out: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_missing_model_directory():
+    assert_user_error(run("generate", "x", "--model", "/nonexistent"),
+                      "/nonexistent does not exist")
+
+
+def test_corrupted_bundle(bundle_copy):
+    data = bundle_copy / "target.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert_user_error(run("generate", "x", "--model", str(bundle_copy)),
+                      "target.onnx.data is corrupted")
+
+
+def test_bundle_missing_a_file(bundle_copy):
+    (bundle_copy / "draft.onnx").unlink()
+    assert_user_error(run("generate", "x", "--model", str(bundle_copy)),
+                      "draft.onnx is missing")
+
+
+def test_newer_format_version(bundle_copy):
+    manifest = json.loads((bundle_copy / MANIFEST).read_text())
+    manifest["format_version"] += 1
+    (bundle_copy / MANIFEST).write_text(json.dumps(manifest))
+    assert_user_error(run("generate", "x", "--model", str(bundle_copy)),
+                      "newer than this edgespec", "upgrade edgespec")
+
+
+def test_prompt_longer_than_context():
+    assert_user_error(run("generate", "x = 1\n" * 600), "tokens but the model's context")
+
+
+def test_unavailable_device():
+    assert_user_error(run("generate", "x", "--device", "cuda"), "cuda execution provider")
+
+
+def test_bad_flag_value_is_a_usage_error():
+    out = run("generate", "x", "--temperature", "-1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--temperature" in out.stderr
+
+
+def test_export_refuses_existing_output(tmp_path, demo_target):
+    (tmp_path / "b").mkdir()
+    assert_user_error(run("export", str(demo_target), "--out", str(tmp_path / "b")),
+                      "already exists")
+
+
+def test_export_then_generate(tmp_path, demo_target, demo_draft):
+    out = run("export", str(demo_target), "--draft", str(demo_draft), "--out",
+              str(tmp_path / "b"), "--precision", "int4", "--draft-precision", "int8",
+              "--block-size", "64")
+    assert out.returncode == 0, out.stderr
+    assert "target.onnx" in out.stderr  # the summary table
+    gen = run("generate", "def f(x):", "--model", str(tmp_path / "b"), "--json",
+              "--max-new-tokens", "8")
+    assert gen.returncode == 0, gen.stderr
+    manifest = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    assert manifest["target"]["precision"] == "int4" and manifest["target"]["block_size"] == 64
+
+
+def test_import_is_light():
+    code = ("import sys, edgespec; edgespec.load; "
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stderr

@@ -1,0 +1,165 @@
+"""The engine on the demo bundle: losslessness against its own AR mode, and against
+transformers' greedy generation on the fp32 export."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import edgespec
+from edgespec.errors import EdgespecError
+from tests.conftest import torch_model
+
+PROMPTS = [
+    "def quicksort(items):",
+    "import os\nimport sys\n\n\ndef main(argv):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "    for i in range(len(",
+    "# Copyright",
+    "def _parse_header(line):\n    \"\"\"Parse a header line.\"\"\"\n",
+    "x",
+    "try:\n    import threading\nexcept ImportError:\n",
+]
+CHAT = [{"role": "user", "content": "Write a Python function `flatten`: Flatten a list."}]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_spec_equals_greedy_ar(engine, prompt, gamma):
+    ar = engine.generate(prompt, max_new_tokens=48, mode="ar")
+    spec = engine.generate(prompt, max_new_tokens=48, mode="spec", draft_tokens=gamma)
+    assert spec.token_ids == ar.token_ids
+    assert spec.text == ar.text
+    assert spec.finish_reason == ar.finish_reason
+    assert spec.stats.target_passes < ar.stats.target_passes
+
+
+def test_greedy_spec_equals_ar_through_eos(engine):
+    ids = engine.tokenizer.encode_chat(CHAT)
+    ar = engine.generate(ids, max_new_tokens=200, mode="ar")
+    spec = engine.generate(ids, max_new_tokens=200, mode="spec")
+    assert spec.token_ids == ar.token_ids
+    assert ar.finish_reason == spec.finish_reason
+
+
+def test_ar_matches_transformers_greedy(fp32_bundle, demo_target):
+    import torch
+
+    model = torch_model(demo_target)
+    engine = edgespec.load(fp32_bundle)
+    for prompt in PROMPTS[:4]:
+        ids = engine.tokenizer.encode(prompt)
+        with torch.no_grad():
+            # BOS doubles as pad here: an explicit mask keeps generate from hiding it
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
+                                 max_new_tokens=32, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+        want = out[0, len(ids):].tolist()
+        got = engine.generate(prompt, max_new_tokens=32, mode="ar")
+        eos = next((i for i, t in enumerate(want) if t in engine.eos_ids), len(want))
+        assert got.token_ids == want[:eos]
+
+
+def test_sampling_spec_matches_ar_distribution(engine):
+    """Two-sample chi-square on the first two tokens with top-k 3 (≤ 9 outcomes)."""
+    from scipy.stats import chi2_contingency
+
+    def outcomes(mode):
+        counts: dict[tuple, int] = {}
+        for seed in range(500):
+            r = engine.generate("def main(", max_new_tokens=2, mode=mode, temperature=1.0,
+                                top_k=3, seed=seed)
+            key = tuple(r.token_ids)
+            counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    ar, spec = outcomes("ar"), outcomes("spec")
+    keys = sorted(set(ar) | set(spec))
+    table = np.array([[ar.get(k, 0) for k in keys], [spec.get(k, 0) for k in keys]])
+    table = table[:, table.sum(0) >= 10]
+    assert table.shape[1] >= 2
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    a = engine.generate("def f(", max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7)
+    b = engine.generate("def f(", max_new_tokens=30, temperature=0.8, top_p=0.9, seed=7)
+    c = engine.generate("def f(", max_new_tokens=30, temperature=0.8, top_p=0.9, seed=8)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stats(engine):
+    r = engine.generate(PROMPTS[0], max_new_tokens=40, mode="spec", draft_tokens=4)
+    s = r.stats.to_dict()
+    assert s["mode"] == "spec" and s["new_tokens"] == len(r.token_ids) == 40
+    assert s["prompt_tokens"] == len(engine.tokenizer.encode(PROMPTS[0]))
+    assert s["draft_passes"] == s["drafted"] >= s["accepted"]
+    assert s["acceptance_rate"] == pytest.approx(s["accepted"] / s["drafted"], abs=1e-6)
+    # every decoding pass commits the accepted drafts plus one token; the last pass may
+    # be cut to max_new_tokens
+    committed = 1 + s["accepted"] + (s["target_passes"] - 1)
+    assert committed - 5 < s["new_tokens"] <= committed
+    assert s["tokens_per_target_pass"] == pytest.approx(39 / (s["target_passes"] - 1), 1e-5)
+    assert s["wall_s"] >= s["prefill_s"] + s["draft_s"] + s["verify_s"] - 1e-6
+    assert s["device"] == "cpu"
+    ar = engine.generate(PROMPTS[0], max_new_tokens=40, mode="ar").stats
+    assert ar.target_passes == 40 and ar.draft_passes == 0 and ar.tokens_per_target_pass == 1
+
+
+def test_stream_equals_generate(engine):
+    chunks = list(engine.stream(PROMPTS[1], max_new_tokens=40))
+    assert "".join(chunks) == engine.generate(PROMPTS[1], max_new_tokens=40).text
+    assert all(chunks)
+
+
+def test_prompt_longer_than_context(engine):
+    ids = [5] * engine.context_length
+    with pytest.raises(EdgespecError, match=f"{len(ids)} tokens but the model's context"):
+        engine.generate(ids)
+
+
+def test_generation_stops_at_context(engine):
+    n = engine.context_length - 10
+    for mode in ("ar", "spec"):
+        r = engine.generate([7] * n, max_new_tokens=100, mode=mode)
+        assert len(r.token_ids) <= 10
+        if r.finish_reason == "length":
+            assert len(r.token_ids) == 10
+
+
+def test_cancel_from_another_thread(engine):
+    stream = engine.records(PROMPTS[0], max_new_tokens=400, mode="ar")
+    first = next(stream)
+    threading.Thread(target=engine.cancel).start()
+    rest = list(stream)
+    assert rest[-1].finish_reason == "cancelled"
+    assert len(first.tokens) + sum(len(r.tokens) for r in rest) < 400
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"mode": "fast"}, "unknown mode"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+])
+def test_bad_config(engine, kwargs, message):
+    with pytest.raises(EdgespecError, match=message):
+        engine.generate("x", **kwargs)
+
+
+def test_spec_without_draft_is_a_clear_error(tmp_path, demo_target):
+    from edgespec.export import export
+
+    export(demo_target, tmp_path / "b", precision="int8")
+    engine = edgespec.load(tmp_path / "b")
+    assert engine.generate("x", max_new_tokens=3, mode="ar").token_ids
+    with pytest.raises(EdgespecError, match="no draft model"):
+        engine.generate("x", mode="spec")
+
+
+def test_unavailable_device_is_a_clear_error(demo_bundle):
+    with pytest.raises(EdgespecError, match="cuda execution provider is not available"):
+        edgespec.load(demo_bundle, device="cuda")

@@ -1,0 +1,181 @@
+"""Exported graphs against transformers' PyTorch forward (the independent oracle)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from edgespec.bundle import read_manifest
+from edgespec.errors import EdgespecError
+from edgespec.export import export
+from edgespec.quant import dequantize, quantize_blockwise
+from edgespec.runtimes import DecoderSession
+from edgespec.runtimes.decoder import NEG_INF
+from tests.conftest import torch_logits, torch_model
+
+CPU = ["CPUExecutionProvider"]
+FP32_TOL = 1e-4  # max abs logit diff, fp32 graph vs PyTorch fp32 (observed ~1e-6)
+W8_TOL = 2e-3  # int8 graph (fp32 activations) vs PyTorch on the same dequantized weights
+A8_TOL = 0.25  # int8 activations too (accuracy_level 4): observed max abs diff ~XXX
+
+
+def session(bundle, role="target") -> DecoderSession:
+    m = read_manifest(bundle)
+    entry = m.target if role == "target" else m.draft
+    return DecoderSession(bundle / entry.graph, entry, CPU)
+
+
+def quantized_reference(path, bits=8, block=32):
+    """The PyTorch model computing with exactly the weights the int8 graph holds."""
+    model = torch_model(path)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module is not model.lm_head:
+                w = module.weight.numpy()
+                module.weight.copy_(torch.from_numpy(dequantize(quantize_blockwise(w, bits,
+                                                                                   block))))
+        head = model.lm_head.weight.detach().numpy()
+        model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(
+            dequantize(quantize_blockwise(head, 8, block))))  # unties; embeddings stay fp16
+    return model
+
+
+def test_demo_checkpoints_load_in_transformers(demo_target, demo_draft):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    for path in (demo_target, demo_draft):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        assert isinstance(model, LlamaForCausalLM)
+        assert model.dtype == torch.float16
+        assert json.loads((path / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_draft_is_at_most_an_eighth_of_the_target(demo_target, demo_draft):
+    """Cost per token ~ multiply-adds of the linears (embedding lookup excluded)."""
+    def macs(path):
+        return sum(m.weight.numel() for m in torch_model(path).modules()
+                   if isinstance(m, torch.nn.Linear))
+    assert macs(demo_draft) <= macs(demo_target) / 8
+
+
+def test_fp32_graph_matches_pytorch_incrementally(fp32_bundle, demo_target):
+    ids = np.random.default_rng(0).integers(0, 4096, 40)
+    ref = torch_logits(torch_model(demo_target), ids)
+    sess = session(fp32_bundle)
+    got = np.concatenate([sess.forward(ids[:29]), sess.forward(ids[29:30]),
+                          sess.forward(ids[30:33]), sess.forward(ids[33:])])
+    assert np.abs(got - ref).max() < FP32_TOL
+
+
+def test_fp32_draft_matches_pytorch(fp32_bundle, demo_draft):
+    ids = np.random.default_rng(1).integers(0, 4096, 25)
+    ref = torch_logits(torch_model(demo_draft), ids)
+    assert np.abs(session(fp32_bundle, "draft").forward(ids) - ref).max() < FP32_TOL
+
+
+@pytest.fixture(scope="module")
+def w8_bundle(tmp_path_factory, demo_target, demo_draft):
+    out = tmp_path_factory.mktemp("w8") / "bundle"
+    export(demo_target, out, draft=demo_draft, precision="int8", accuracy_level=0)
+    return out
+
+
+def incremental_logits(sess: DecoderSession, ids) -> np.ndarray:
+    return np.concatenate([sess.forward(ids[:40]), sess.forward(ids[40:41]),
+                           sess.forward(ids[41:])])
+
+
+def test_int8_graph_computes_with_exactly_the_dequantized_weights(w8_bundle, demo_target,
+                                                                  demo_draft):
+    ids = np.random.default_rng(2).integers(0, 4096, 48)
+    for role, path in (("target", demo_target), ("draft", demo_draft)):
+        ref = torch_logits(quantized_reference(path), ids)
+        got = incremental_logits(session(w8_bundle, role), ids)
+        assert np.abs(got - ref).max() < W8_TOL, role
+
+
+def test_shipped_bundle_is_close_to_dequantized_pytorch(demo_bundle, demo_target, demo_draft):
+    """The shipped graphs also quantize activations (accuracy_level 4)."""
+    ids = np.random.default_rng(2).integers(0, 4096, 48)
+    for role, path in (("target", demo_target), ("draft", demo_draft)):
+        ref = torch_logits(quantized_reference(path), ids)
+        got = incremental_logits(session(demo_bundle, role), ids)
+        assert np.abs(got - ref).max() < A8_TOL, role
+        assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.9, role
+
+
+def test_int8_is_close_to_fp16_model(demo_bundle, demo_target):
+    """Quantization error itself stays small on a trained model: same top-1 mostly."""
+    ids = np.random.default_rng(3).integers(0, 4096, 64)
+    ref = torch_logits(torch_model(demo_target), ids)
+    got = session(demo_bundle).forward(ids)
+    assert (ref.argmax(-1) == got.argmax(-1)).mean() > 0.9
+
+
+def test_tree_bias_verifies_branches_in_one_pass(fp32_bundle, demo_target):
+    """Nodes a; b and c both children of a: one pass gives each branch's own logits."""
+    model = torch_model(demo_target)
+    prefix, a, b, c = [0, 17, 300, 41, 9], 77, 123, 555
+    sess = session(fp32_bundle)
+    sess.forward(prefix)
+    past = len(prefix)
+    bias = np.zeros((1, 1, 3, past + 3), np.float32)
+    bias[0, 0, 2, past + 1] = NEG_INF  # c does not see its sibling b
+    positions = np.array([past, past + 1, past + 1])  # tree depth
+    got = sess.forward([a, b, c], positions=positions, bias=bias)
+    via_b = torch_logits(model, prefix + [a, b])
+    via_c = torch_logits(model, prefix + [a, c])
+    assert np.abs(got[0] - via_b[past]).max() < FP32_TOL
+    assert np.abs(got[1] - via_b[past + 1]).max() < FP32_TOL
+    assert np.abs(got[2] - via_c[past + 1]).max() < FP32_TOL
+
+
+def test_cache_trim_rolls_back(fp32_bundle, demo_target):
+    ids = [0, 5, 6, 7, 8, 9]
+    ref = torch_logits(torch_model(demo_target), ids + [42])
+    sess = session(fp32_bundle)
+    sess.forward(ids + [1, 2, 3])
+    sess.cache.trim(3)  # a rejected continuation
+    assert np.abs(sess.forward([42])[0] - ref[-1]).max() < FP32_TOL
+
+
+def test_export_errors(tmp_path, demo_target):
+    with pytest.raises(EdgespecError, match="neither an existing directory nor a Hub id"):
+        export("./missing/dir", tmp_path / "b")
+    with pytest.raises(EdgespecError, match="cannot be exported yet"):
+        export(demo_target, tmp_path / "b", precision="fp16")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EdgespecError, match="has no config.json"):
+        export(tmp_path / "empty", tmp_path / "b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"]
+
+
+def test_unsupported_architecture_lists_supported(tmp_path, demo_target):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    for f in demo_target.iterdir():
+        (ckpt / f.name).write_bytes(f.read_bytes())
+    config = json.loads((ckpt / "config.json").read_text())
+    config["architectures"] = ["FalconForCausalLM"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EdgespecError, match="FalconForCausalLM is not supported.*Llama"):
+        export(ckpt, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_mismatched_draft_vocabulary_is_refused(tmp_path, demo_target):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    for f in demo_target.iterdir():
+        (draft / f.name).write_bytes(f.read_bytes())
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first = next(k for k, v in vocab.items() if v == 300)
+    vocab["zzz-not-in-target"] = vocab.pop(first)
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(EdgespecError, match="draft's tokenizer differs.*id 300"):
+        export(demo_target, tmp_path / "b", draft=draft)
+    assert not (tmp_path / "b").exists()

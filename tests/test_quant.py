@@ -1,0 +1,62 @@
+"""Blockwise codes: numpy reference vs what ONNX Runtime's MatMulNBits computes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from edgespec.quant import dequantize, quantize_blockwise
+
+
+def run_matmulnbits(x: np.ndarray, w: np.ndarray, bits: int, block: int) -> np.ndarray:
+    q = quantize_blockwise(w, bits, block)
+    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft",
+                            K=q.k, N=q.n, bits=bits, block_size=block, accuracy_level=0)
+    graph = helper.make_graph(
+        [node], "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(q.packed, "b"),
+                     numpy_helper.from_array(q.scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("block", [16, 32, 128])
+@pytest.mark.parametrize("k", [64, 80])  # 80: K not a multiple of the block, padded
+def test_matmulnbits_computes_with_our_dequantized_weight(bits, block, k):
+    rng = np.random.default_rng(bits * 1000 + block + k)
+    w = rng.normal(size=(24, k)).astype(np.float32)
+    x = rng.normal(size=(3, k)).astype(np.float32)
+    ref = x @ dequantize(quantize_blockwise(w, bits, block)).T
+    np.testing.assert_allclose(run_matmulnbits(x, w, bits, block), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits,max_rel", [(8, 1 / 127), (4, 1 / 7), (2, 1.0)])
+def test_rounding_error_is_at_most_half_a_step(bits, max_rel):
+    rng = np.random.default_rng(bits)
+    w = rng.normal(size=(16, 64)).astype(np.float32)
+    q = quantize_blockwise(w, bits, 32)
+    err = np.abs(dequantize(q) - w).reshape(16, 2, 32)
+    step = q.scales.reshape(16, 2, 1)
+    assert (err <= step / 2 + 1e-6).all()
+    assert np.abs(dequantize(q) - w).max() <= max_rel * np.abs(w).max()
+
+
+def test_block_maximum_is_exact_and_zero_blocks_survive():
+    w = np.zeros((2, 32), np.float32)
+    w[0, 5] = -3.0
+    w[0, 7] = 1.0
+    deq = dequantize(quantize_blockwise(w, 8, 32))
+    assert deq[0, 5] == -3.0 and np.all(deq[1] == 0)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="2, 4 or 8"):
+        quantize_blockwise(np.zeros((2, 32)), bits=3)
+    with pytest.raises(ValueError, match="power of two"):
+        quantize_blockwise(np.zeros((2, 48)), block_size=48)

@@ -1,0 +1,185 @@
+"""The decoding algorithms on toy models, against exact probabilities.
+
+Toy models are Markov chains: the logits for the next token depend on the previous
+token only, through a table. With V tokens and L generated tokens we can enumerate the
+exact probability of every sequence under the target and compare speculative sampling's
+empirical distribution with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from edgespec.spec import GenerationStats, SamplingParams, ar_decode, chain_decode, warp
+from edgespec.spec.chain import verify_chain
+
+V = 5
+
+
+class ToyCache:
+    def __init__(self):
+        self.length = 0
+
+    def trim(self, n: int) -> None:
+        self.length -= n
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class MarkovModel:
+    """logits(next | previous token) = table[previous]; the cache is the token list."""
+
+    def __init__(self, table: np.ndarray, max_len: int = 64):
+        self.table = table
+        self.cache = ToyCache()
+        self.max_len = max_len
+        self.seen: list[int] = []
+
+    def forward(self, ids: list[int]) -> np.ndarray:
+        self.seen = self.seen[:self.cache.length] + list(ids)
+        self.cache.length = len(self.seen)
+        assert self.cache.length <= self.max_len
+        return self.table[np.asarray(ids)]
+
+
+def tables(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    target = rng.normal(scale=1.5, size=(V, V))
+    draft = target + rng.normal(scale=1.0, size=(V, V))  # similar, not equal
+    return target, draft
+
+
+def take(gen, n: int) -> list[int]:
+    out: list[int] = []
+    for toks in gen:
+        out += toks
+        if len(out) >= n:
+            return out[:n]
+    return out
+
+
+def exact_distribution(table: np.ndarray, start: int, length: int,
+                       params: SamplingParams) -> dict[tuple, float]:
+    probs = warp(table, params)
+    dist = {}
+    for seq in itertools.product(range(V), repeat=length):
+        p, prev = 1.0, start
+        for t in seq:
+            p *= probs[prev, t]
+            prev = t
+        dist[seq] = p
+    return dist
+
+
+def assert_matches(samples: list[tuple], dist: dict[tuple, float]) -> None:
+    """Chi-square goodness of fit on outcomes with enough expected mass (p > 1e-4)."""
+    from scipy.stats import chisquare
+
+    n = len(samples)
+    counts = {k: 0 for k in dist}
+    for s in samples:
+        counts[s] += 1
+    keys = [k for k in dist if dist[k] * n >= 5]
+    observed = np.array([counts[k] for k in keys] + [n - sum(counts[k] for k in keys)])
+    expected = np.array([dist[k] * n for k in keys] + [n - sum(dist[k] * n for k in keys)])
+    keep = expected > 0
+    assert chisquare(observed[keep], expected[keep]).pvalue > 1e-3
+
+
+PARAMS = [SamplingParams(1.0), SamplingParams(0.7, top_k=3), SamplingParams(1.3, top_p=0.8)]
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_verify_chain_first_token_is_target_distributed(params):
+    """One step in isolation: the emitted token after a γ=1 chain follows p exactly."""
+    rng = np.random.default_rng(0)
+    p_logits = np.array([[2.0, 1.0, 0.5, -1.0, 0.0], [0.0] * 5])
+    q = warp(np.array([[0.0, 2.0, 0.5, 1.0, -1.0]]), params)
+    out = []
+    for _ in range(20000):
+        d = int(rng.choice(V, p=q[0]))
+        n, nxt = verify_chain(p_logits, [d], q, params, rng)
+        out.append((d if n == 1 else nxt,))
+    p = warp(p_logits[0], params)
+    assert_matches(out, {(i,): p[i] for i in range(V)})
+
+
+@pytest.mark.parametrize("params", PARAMS)
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_chain_sampling_preserves_sequence_distribution(params, gamma):
+    target_table, draft_table = tables(1)
+    rng = np.random.default_rng(gamma)
+    samples = []
+    for _ in range(6000):
+        gen = chain_decode(MarkovModel(target_table), MarkovModel(draft_table), [2], params,
+                           gamma, rng, GenerationStats("spec"))
+        samples.append(tuple(take(gen, 3)))
+    assert_matches(samples, exact_distribution(target_table, 2, 3, params))
+
+
+def test_ar_sampling_matches_exact_distribution():
+    """The baseline itself, with the same oracle (so the oracle is checked too)."""
+    target_table, _ = tables(2)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(1.0)
+    samples = [tuple(take(ar_decode(MarkovModel(target_table), [0], params, rng,
+                                    GenerationStats("ar")), 3)) for _ in range(6000)]
+    assert_matches(samples, exact_distribution(target_table, 0, 3, params))
+
+
+def test_oracle_detects_a_wrong_distribution():
+    """Sampling from the *draft* must fail the same test: the check has teeth."""
+    target_table, draft_table = tables(1)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(1.0)
+    samples = [tuple(take(ar_decode(MarkovModel(draft_table), [2], params, rng,
+                                    GenerationStats("ar")), 3)) for _ in range(6000)]
+    with pytest.raises(AssertionError):
+        assert_matches(samples, exact_distribution(target_table, 2, 3, params))
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+def test_greedy_chain_equals_greedy_ar(seed, gamma):
+    target_table, draft_table = tables(seed)
+    params = SamplingParams(0.0)
+    rng = np.random.default_rng(0)
+    ar = take(ar_decode(MarkovModel(target_table, 200), [1], params, rng,
+                        GenerationStats("ar")), 40)
+    stats = GenerationStats("spec")
+    spec = take(chain_decode(MarkovModel(target_table, 200), MarkovModel(draft_table, 200),
+                             [1], params, gamma, rng, stats), 40)
+    assert spec == ar
+    assert stats.drafted > 0 and 0 <= stats.accepted <= stats.drafted
+
+
+def test_identical_draft_accepts_everything():
+    table, _ = tables(3)
+    stats = GenerationStats("spec")
+    take(chain_decode(MarkovModel(table, 200), MarkovModel(table, 200), [0],
+                      SamplingParams(0.9), 4, np.random.default_rng(0), stats), 50)
+    assert stats.accepted == stats.drafted
+    assert stats.target_passes <= 1 + 50 / 5 + 1
+
+
+def test_chain_respects_context_limit():
+    table, draft_table = tables(4)
+    target = MarkovModel(table, max_len=12)
+    out = take(chain_decode(target, MarkovModel(draft_table, 12), [0, 1, 2], SamplingParams(),
+                            4, np.random.default_rng(0), GenerationStats("spec")), 9)
+    assert len(out) == 9  # 3 prompt + 9 = 12 positions, never more (forward asserts)
+
+
+def test_warp_top_k_and_top_p():
+    logits = np.log(np.array([0.5, 0.25, 0.15, 0.1]))
+    np.testing.assert_allclose(warp(logits, SamplingParams(1.0, top_k=2)),
+                               [2 / 3, 1 / 3, 0, 0])
+    np.testing.assert_allclose(warp(logits, SamplingParams(1.0, top_p=0.7)),
+                               [2 / 3, 1 / 3, 0, 0])
+    np.testing.assert_allclose(warp(logits, SamplingParams(1.0, top_p=0.1)), [1, 0, 0, 0])
+    hot = warp(logits, SamplingParams(0.5))
+    np.testing.assert_allclose(hot, np.array([0.25, 0.0625, 0.0225, 0.01]) / 0.345)
