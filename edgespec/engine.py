@@ -21,7 +21,14 @@ import numpy as np
 from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.runtimes import DecoderSession, resolve_providers
-from edgespec.spec import GenerationStats, SamplingParams, ar_decode, chain_decode
+from edgespec.spec import (
+    GenerationStats,
+    LookupDrafter,
+    ModelDrafter,
+    SamplingParams,
+    ar_decode,
+    chain_decode,
+)
 from edgespec.tokenizer import Tokenizer
 
 MODES = ("ar", "spec", "lookup")
@@ -45,9 +52,6 @@ class GenerationConfig:
     def validate(self, has_draft: bool) -> None:
         if self.mode not in MODES:
             raise EdgespecError(f"unknown mode '{self.mode}'; choose one of {', '.join(MODES)}.")
-        if self.mode == "lookup":
-            raise EdgespecError("mode 'lookup' (prompt-lookup drafting) is not implemented "
-                                "in this version; use --mode spec or --mode ar.")
         if self.mode == "spec" and not has_draft:
             raise EdgespecError("this bundle has no draft model, so --mode spec cannot run; "
                                 "use --mode ar or export with --draft.")
@@ -115,6 +119,7 @@ class Engine:
         self._cancel.set()
 
     def close(self) -> None:
+        """Release the ONNX Runtime sessions and their KV buffers."""
         self.target = self.draft = None  # type: ignore[assignment]
 
     def __enter__(self) -> Engine:
@@ -140,6 +145,8 @@ class Engine:
     def records(self, prompt: str | list[int], config: GenerationConfig | None = None,
                 **kwargs: Any) -> Iterator[_Record]:
         """The core generator: one record per target pass."""
+        if self.target is None:
+            raise EdgespecError("this engine was closed; load the bundle again.")
         config = self._config(config, kwargs)
         ids = self.encode_prompt(prompt)
         self._cancel.clear()
@@ -152,7 +159,9 @@ class Engine:
         if config.mode == "ar":
             steps = ar_decode(self.target, ids, config.sampling, rng, stats)
         else:
-            steps = chain_decode(self.target, self.draft, ids, config.sampling,
+            drafter = (ModelDrafter(self.draft) if config.mode == "spec"
+                       else LookupDrafter(self.manifest.target.vocab_size))
+            steps = chain_decode(self.target, drafter, ids, config.sampling,
                                  config.draft_tokens, rng, stats)
         produced = 0
         for tokens in steps:

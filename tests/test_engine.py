@@ -26,14 +26,15 @@ CHAT = [{"role": "user", "content": "Write a Python function `flatten`: Flatten 
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-@pytest.mark.parametrize("gamma", [1, 3, 6])
-def test_greedy_spec_equals_greedy_ar(engine, prompt, gamma):
+@pytest.mark.parametrize("mode,gamma", [("spec", 1), ("spec", 3), ("spec", 6), ("lookup", 4)])
+def test_greedy_spec_equals_greedy_ar(engine, prompt, mode, gamma):
     ar = engine.generate(prompt, max_new_tokens=48, mode="ar")
-    spec = engine.generate(prompt, max_new_tokens=48, mode="spec", draft_tokens=gamma)
+    spec = engine.generate(prompt, max_new_tokens=48, mode=mode, draft_tokens=gamma)
     assert spec.token_ids == ar.token_ids
     assert spec.text == ar.text
     assert spec.finish_reason == ar.finish_reason
-    assert spec.stats.target_passes < ar.stats.target_passes
+    if mode == "spec":
+        assert spec.stats.target_passes < ar.stats.target_passes
 
 
 def test_greedy_spec_equals_ar_through_eos(engine):
@@ -81,6 +82,13 @@ def test_sampling_spec_matches_ar_distribution(engine):
     table = table[:, table.sum(0) >= 10]
     assert table.shape[1] >= 2
     assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_lookup_drafts_from_a_repetitive_prompt(engine):
+    prompt = "def add(a, b):\n    return a + b\n\n\n" * 4
+    r = engine.generate(prompt, max_new_tokens=40, mode="lookup")
+    assert r.stats.drafted > 0 and r.stats.draft_passes == 0
+    assert r.token_ids == engine.generate(prompt, max_new_tokens=40, mode="ar").token_ids
 
 
 def test_seeded_sampling_is_reproducible(engine):

@@ -13,8 +13,17 @@ import itertools
 import numpy as np
 import pytest
 
-from edgespec.spec import GenerationStats, SamplingParams, ar_decode, chain_decode, warp
+from edgespec.spec import (
+    GenerationStats,
+    LookupDrafter,
+    ModelDrafter,
+    SamplingParams,
+    ar_decode,
+    chain_decode,
+    warp,
+)
 from edgespec.spec.chain import verify_chain
+from edgespec.spec.drafters import lookup
 
 V = 5
 
@@ -115,8 +124,9 @@ def test_chain_sampling_preserves_sequence_distribution(params, gamma):
     rng = np.random.default_rng(gamma)
     samples = []
     for _ in range(6000):
-        gen = chain_decode(MarkovModel(target_table), MarkovModel(draft_table), [2], params,
-                           gamma, rng, GenerationStats("spec"))
+        drafter = ModelDrafter(MarkovModel(draft_table))
+        gen = chain_decode(MarkovModel(target_table), drafter, [2], params, gamma, rng,
+                           GenerationStats("spec"))
         samples.append(tuple(take(gen, 3)))
     assert_matches(samples, exact_distribution(target_table, 2, 3, params))
 
@@ -151,8 +161,9 @@ def test_greedy_chain_equals_greedy_ar(seed, gamma):
     ar = take(ar_decode(MarkovModel(target_table, 200), [1], params, rng,
                         GenerationStats("ar")), 40)
     stats = GenerationStats("spec")
-    spec = take(chain_decode(MarkovModel(target_table, 200), MarkovModel(draft_table, 200),
-                             [1], params, gamma, rng, stats), 40)
+    drafter = ModelDrafter(MarkovModel(draft_table, 200))
+    spec = take(chain_decode(MarkovModel(target_table, 200), drafter, [1], params, gamma, rng,
+                             stats), 40)
     assert spec == ar
     assert stats.drafted > 0 and 0 <= stats.accepted <= stats.drafted
 
@@ -160,7 +171,7 @@ def test_greedy_chain_equals_greedy_ar(seed, gamma):
 def test_identical_draft_accepts_everything():
     table, _ = tables(3)
     stats = GenerationStats("spec")
-    take(chain_decode(MarkovModel(table, 200), MarkovModel(table, 200), [0],
+    take(chain_decode(MarkovModel(table, 200), ModelDrafter(MarkovModel(table, 200)), [0],
                       SamplingParams(0.9), 4, np.random.default_rng(0), stats), 50)
     assert stats.accepted == stats.drafted
     assert stats.target_passes <= 1 + 50 / 5 + 1
@@ -169,8 +180,9 @@ def test_identical_draft_accepts_everything():
 def test_chain_respects_context_limit():
     table, draft_table = tables(4)
     target = MarkovModel(table, max_len=12)
-    out = take(chain_decode(target, MarkovModel(draft_table, 12), [0, 1, 2], SamplingParams(),
-                            4, np.random.default_rng(0), GenerationStats("spec")), 9)
+    drafter = ModelDrafter(MarkovModel(draft_table, 12))
+    out = take(chain_decode(target, drafter, [0, 1, 2], SamplingParams(), 4,
+                            np.random.default_rng(0), GenerationStats("spec")), 9)
     assert len(out) == 9  # 3 prompt + 9 = 12 positions, never more (forward asserts)
 
 
@@ -183,3 +195,44 @@ def test_warp_top_k_and_top_p():
     np.testing.assert_allclose(warp(logits, SamplingParams(1.0, top_p=0.1)), [1, 0, 0, 0])
     hot = warp(logits, SamplingParams(0.5))
     np.testing.assert_allclose(hot, np.array([0.25, 0.0625, 0.0225, 0.01]) / 0.345)
+
+
+def test_lookup_finds_latest_longest_match():
+    seq = np.array([1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3])
+    assert lookup(seq, 3, 3) == [7, 8, 5]  # "2 3" last seen before "7 8 5"
+    assert lookup(np.array([4, 1, 2, 4]), 5, 3) == [1, 2, 4]
+    assert lookup(np.array([1, 2, 3]), 4, 3) == []
+    assert lookup(np.array([5, 6, 5, 6]), 0, 3) == []
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_lookup_sampling_preserves_sequence_distribution(params):
+    """A deterministic drafter (one-hot q) verified with the standard rule stays exact;
+    a repetitive prompt makes lookup propose often."""
+    target_table, _ = tables(5)
+    rng = np.random.default_rng(11)
+    samples = []
+    drafted = 0
+    for _ in range(6000):
+        stats = GenerationStats("lookup")
+        gen = chain_decode(MarkovModel(target_table), LookupDrafter(V), [0, 1, 2, 0, 1, 2, 0],
+                           params, 3, rng, stats)
+        samples.append(tuple(take(gen, 3)))
+        drafted += stats.drafted
+    assert drafted > 6000
+    assert_matches(samples, exact_distribution(target_table, 0, 3, params))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_lookup_equals_greedy_ar(seed):
+    target_table, _ = tables(seed)
+    params = SamplingParams(0.0)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    rng = np.random.default_rng(0)
+    ar = take(ar_decode(MarkovModel(target_table, 200), prompt, params, rng,
+                        GenerationStats("ar")), 40)
+    stats = GenerationStats("lookup")
+    spec = take(chain_decode(MarkovModel(target_table, 200), LookupDrafter(V), prompt, params,
+                             4, rng, stats), 40)
+    assert spec == ar
+    assert stats.accepted > 0  # greedy Markov chains cycle, so lookup hits

@@ -2,8 +2,9 @@
 
 from edgespec.spec.chain import verify_chain
 from edgespec.spec.decode import ar_decode, chain_decode
+from edgespec.spec.drafters import LookupDrafter, ModelDrafter
 from edgespec.spec.sampling import SamplingParams, sample, warp
 from edgespec.spec.stats import GenerationStats
 
-__all__ = ["GenerationStats", "SamplingParams", "ar_decode", "chain_decode", "sample",
-           "verify_chain", "warp"]
+__all__ = ["GenerationStats", "LookupDrafter", "ModelDrafter", "SamplingParams", "ar_decode",
+           "chain_decode", "sample", "verify_chain", "warp"]
