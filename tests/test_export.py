@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -154,10 +155,7 @@ def test_export_errors(tmp_path, demo_target):
 
 
 def test_unsupported_architecture_lists_supported(tmp_path, demo_target):
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    for f in demo_target.iterdir():
-        (ckpt / f.name).write_bytes(f.read_bytes())
+    ckpt = shutil.copytree(demo_target, tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())
     config["architectures"] = ["FalconForCausalLM"]
     (ckpt / "config.json").write_text(json.dumps(config))
@@ -167,10 +165,7 @@ def test_unsupported_architecture_lists_supported(tmp_path, demo_target):
 
 
 def test_mismatched_draft_vocabulary_is_refused(tmp_path, demo_target):
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    for f in demo_target.iterdir():
-        (draft / f.name).write_bytes(f.read_bytes())
+    draft = shutil.copytree(demo_target, tmp_path / "draft")
     tok = json.loads((draft / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     first = next(k for k, v in vocab.items() if v == 300)

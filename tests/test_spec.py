@@ -131,25 +131,27 @@ def test_chain_sampling_preserves_sequence_distribution(params, gamma):
     assert_matches(samples, exact_distribution(target_table, 2, 3, params))
 
 
+def ar_samples(table: np.ndarray, start: int, params: SamplingParams) -> list[tuple]:
+    rng = np.random.default_rng(0)
+    return [tuple(take(ar_decode(MarkovModel(table), [start], params, rng,
+                                 GenerationStats("ar")), 3)) for _ in range(6000)]
+
+
 def test_ar_sampling_matches_exact_distribution():
     """The baseline itself, with the same oracle (so the oracle is checked too)."""
     target_table, _ = tables(2)
-    rng = np.random.default_rng(0)
     params = SamplingParams(1.0)
-    samples = [tuple(take(ar_decode(MarkovModel(target_table), [0], params, rng,
-                                    GenerationStats("ar")), 3)) for _ in range(6000)]
-    assert_matches(samples, exact_distribution(target_table, 0, 3, params))
+    assert_matches(ar_samples(target_table, 0, params),
+                   exact_distribution(target_table, 0, 3, params))
 
 
 def test_oracle_detects_a_wrong_distribution():
     """Sampling from the *draft* must fail the same test: the check has teeth."""
     target_table, draft_table = tables(1)
-    rng = np.random.default_rng(0)
     params = SamplingParams(1.0)
-    samples = [tuple(take(ar_decode(MarkovModel(draft_table), [2], params, rng,
-                                    GenerationStats("ar")), 3)) for _ in range(6000)]
     with pytest.raises(AssertionError):
-        assert_matches(samples, exact_distribution(target_table, 2, 3, params))
+        assert_matches(ar_samples(draft_table, 2, params),
+                       exact_distribution(target_table, 2, 3, params))
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -3,7 +3,8 @@
 Prompts are cut from the demo pair's held-aside stdlib files (never seen in training):
 for each file, a few random 64-token windows. Each prompt runs greedy in AR mode and in
 spec mode for each γ in the same process, interleaved, so the ratios compare like with
-like. Greedy outputs are also checked to be identical (losslessness, again).
+like. Greedy outputs are also compared with AR's (losslessness, again): the report
+counts prompts whose outputs differ anywhere.
 
     python tools/measure_demo.py [--model DIR] [--prompts 24] [--new 96] [--gammas 2 3 4 6]
 """
@@ -47,14 +48,17 @@ def main() -> None:
     engine = edgespec.Engine(args.model, threads=args.threads)
     prompts = held_out_prompts(engine, args.prompts)
     engine.generate(prompts[0], max_new_tokens=8, mode="spec")  # warm-up
-    rows: dict[str, list] = {"ar": []} | {f"spec g={g}": [] for g in args.gammas}
+    runs = [("ar", "ar", 1)] + [(f"spec g={g}", "spec", g) for g in args.gammas] + [
+        ("lookup g=4", "lookup", 4)]
+    rows: dict[str, list] = {name: [] for name, _, _ in runs}
+    differ = dict.fromkeys(rows, 0)
     for ids in prompts:
-        ar = engine.generate(ids, max_new_tokens=args.new, mode="ar")
-        rows["ar"].append(ar.stats)
-        for g in args.gammas:
-            spec = engine.generate(ids, max_new_tokens=args.new, mode="spec", draft_tokens=g)
-            assert spec.token_ids == ar.token_ids, "greedy spec differs from AR"
-            rows[f"spec g={g}"].append(spec.stats)
+        ar = None
+        for name, mode, g in runs:
+            r = engine.generate(ids, max_new_tokens=args.new, mode=mode, draft_tokens=g)
+            ar = ar or r
+            differ[name] += r.token_ids != ar.token_ids
+            rows[name].append(r.stats)
 
     def tps(stats):  # total decode tokens / total decode time
         return (sum(s.new_tokens - 1 for s in stats)
@@ -72,6 +76,7 @@ def main() -> None:
                                                             for s in stats), 2),
             "draft_share_of_time": round(sum(s.draft_s for s in stats)
                                          / sum(s.wall_s - s.prefill_s for s in stats), 2),
+            "outputs_differing_from_ar": differ[name],
         }
     print(json.dumps({"prompts": len(prompts), "new_tokens": args.new,
                       "threads": args.threads or "ort default", "modes": report}, indent=2))

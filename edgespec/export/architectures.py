@@ -1,14 +1,18 @@
 """Architecture adapters: a Hugging Face checkpoint -> one normalized decoder description.
 
 Every supported family is mapped onto the same `DecoderSpec` + per-layer weights, so the
-graph builder knows a single decoder shape. Adding an architecture means adding an
-adapter here (and, where it differs, a flag the builder honours), not a new builder.
+graph builder knows a single decoder shape with a few switches (qkv bias, q/k norms,
+sandwich norms, soft-capping, sliding windows, GELU). Adding an architecture means adding
+an adapter here, not a new builder. Whatever can be folded into weights is folded here:
+Gemma's (1 + w) norms become plain weights, fused checkpoint tensors are split or joined
+to the builder's layout.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,9 +32,15 @@ class DecoderSpec:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
     max_positions: int
     tie_embeddings: bool
+    inv_freq: np.ndarray  # RoPE inverse frequencies (len = rotary_dim / 2)
+    activation: str = "silu"  # or "gelu_tanh"
+    embed_scale: float | None = None  # Gemma multiplies embeddings by sqrt(hidden)
+    attn_scale: float | None = None  # None: 1/sqrt(head_dim)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    sliding_window: list[int | None] = field(default_factory=list)  # per layer
 
 
 @dataclass
@@ -42,57 +52,195 @@ class LayerWeights:
     gate_up: np.ndarray  # [2 * intermediate, hidden]: gate rows first
     down: np.ndarray
     input_norm: np.ndarray
-    post_attention_norm: np.ndarray
+    mlp_norm: np.ndarray  # the norm in front of the MLP
+    qkv_bias: np.ndarray | None = None
+    q_norm: np.ndarray | None = None  # per-head RMSNorm weights [head_dim] (Qwen3)
+    k_norm: np.ndarray | None = None
+    attn_out_norm: np.ndarray | None = None  # Gemma-2 sandwich norms on branch outputs
+    mlp_out_norm: np.ndarray | None = None
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5 keeps RoPE settings in `rope_parameters`; older configs split them
+    into `rope_theta` and `rope_scaling`. One dict either way."""
+    params = dict(config.get("rope_parameters") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params.update(config.get("rope_scaling") or {})
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return params
+
+
+def inverse_frequencies(config: dict[str, Any], head_dim: int, path: Any) -> np.ndarray:
+    rope = rope_parameters(config)
+    dim = int(head_dim * rope["partial_rotary_factor"])
+    inv = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    kind = rope["rope_type"]
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / rope["factor"]
+    if kind == "llama3":  # Llama 3.1+: low frequencies slowed down, a smooth band between
+        factor, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        return np.where(medium, smoothed, scaled)
+    raise EdgespecError(f"{path}: RoPE type '{kind}' is not supported yet (supported: "
+                        "default, linear, llama3).")
 
 
 class LlamaAdapter:
-    """Llama and Mistral share names and math (Mistral's sliding window is unused here)."""
+    """Llama 1-3.x and Mistral: the reference layout every other adapter varies."""
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         c = ckpt.config
-        if c.get("rope_scaling"):
-            raise EdgespecError(f"{ckpt.path}: RoPE scaling {c['rope_scaling']} is not "
-                                "supported yet by this exporter.")
         heads = c["num_attention_heads"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // heads
         self.spec = DecoderSpec(
             architecture=c["architectures"][0], vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
             num_layers=c["num_hidden_layers"], num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
+            num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             max_positions=c.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(c.get("tie_word_embeddings", False)))
+            tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+            inv_freq=inverse_frequencies(c, head_dim, ckpt.path),
+            sliding_window=self.sliding_windows(c))
+        act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise EdgespecError(f"{ckpt.path}: activation '{act}' is not supported yet.")
+        self.spec.activation = "silu" if act == "silu" else "gelu_tanh"
+        if c.get("mlp_bias") or c.get("attention_bias") and not self.has_qkv_bias:
+            raise EdgespecError(f"{ckpt.path}: linear biases other than Qwen2's q/k/v "
+                                "biases are not supported yet.")
+
+    has_qkv_bias = False
+
+    def sliding_windows(self, c: dict[str, Any]) -> list[int | None]:
+        window = c.get("sliding_window")
+        types = c.get("layer_types")
+        n = c["num_hidden_layers"]
+        if not window or (types is None and c.get("use_sliding_window") is False):
+            return [None] * n
+        if types is None:
+            return [window] * n
+        return [window if t == "sliding_attention" else None for t in types]
+
+    def get(self, name: str) -> np.ndarray:
+        return self.ckpt.get(name)
 
     def embeddings(self) -> np.ndarray:
-        return self.ckpt.get("model.embed_tokens.weight")
+        return self.get("model.embed_tokens.weight")
+
+    def norm(self, name: str) -> np.ndarray:
+        return self.get(name)
+
+    def attention(self, p: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """The fused [q; k; v] weight and, where the model has them, its biases."""
+        w = np.concatenate([self.get(f"{p}self_attn.{x}_proj.weight") for x in "qkv"])
+        if not self.has_qkv_bias:
+            return w, None
+        return w, np.concatenate([self.get(f"{p}self_attn.{x}_proj.bias") for x in "qkv"])
+
+    def gate_up(self, p: str) -> np.ndarray:
+        return np.concatenate([self.get(f"{p}mlp.gate_proj.weight"),
+                               self.get(f"{p}mlp.up_proj.weight")])
+
+    def layer(self, i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        qkv, bias = self.attention(p)
+        return LayerWeights(
+            qkv=qkv, qkv_bias=bias, o=self.get(p + "self_attn.o_proj.weight"),
+            gate_up=self.gate_up(p), down=self.get(p + "mlp.down_proj.weight"),
+            input_norm=self.norm(p + "input_layernorm.weight"),
+            mlp_norm=self.norm(p + "post_attention_layernorm.weight"))
 
     def layers(self) -> Iterator[LayerWeights]:
-        g = self.ckpt.get
         for i in range(self.spec.num_layers):
-            p = f"model.layers.{i}."
-            yield LayerWeights(
-                qkv=np.concatenate([g(p + f"self_attn.{x}_proj.weight") for x in "qkv"]),
-                o=g(p + "self_attn.o_proj.weight"),
-                gate_up=np.concatenate([g(p + "mlp.gate_proj.weight"),
-                                        g(p + "mlp.up_proj.weight")]),
-                down=g(p + "mlp.down_proj.weight"),
-                input_norm=g(p + "input_layernorm.weight"),
-                post_attention_norm=g(p + "post_attention_layernorm.weight"))
+            yield self.layer(i)
 
     def final_norm(self) -> np.ndarray:
-        return self.ckpt.get("model.norm.weight")
+        return self.norm("model.norm.weight")
 
     def lm_head(self) -> np.ndarray:
         if self.spec.tie_embeddings or not self.ckpt.has("lm_head.weight"):
-            return self.embeddings()
-        return self.ckpt.get("lm_head.weight")
+            return self.get("model.embed_tokens.weight")
+        return self.get("lm_head.weight")
 
 
-ADAPTERS: dict[str, Any] = {
+class Qwen2Adapter(LlamaAdapter):
+    """Qwen2 / Qwen2.5: Llama plus biases on q, k and v."""
+
+    has_qkv_bias = True
+
+
+class Qwen3Adapter(LlamaAdapter):
+    """Qwen3: no biases, but an RMSNorm over each head of q and k before RoPE."""
+
+    def layer(self, i: int) -> LayerWeights:
+        lw = super().layer(i)
+        p = f"model.layers.{i}.self_attn."
+        lw.q_norm, lw.k_norm = self.get(p + "q_norm.weight"), self.get(p + "k_norm.weight")
+        return lw
+
+
+class Phi3Adapter(LlamaAdapter):
+    """Phi-3 / 3.5: q/k/v and gate/up already fused in the checkpoint (gate first)."""
+
+    def attention(self, p: str) -> tuple[np.ndarray, np.ndarray | None]:
+        return self.get(f"{p}self_attn.qkv_proj.weight"), None
+
+    def gate_up(self, p: str) -> np.ndarray:
+        return self.get(f"{p}mlp.gate_up_proj.weight")
+
+
+class GemmaAdapter(LlamaAdapter):
+    """Gemma: embeddings scaled by sqrt(hidden), norms multiply by (1 + w), GELU (tanh)."""
+
+    def __init__(self, ckpt: Checkpoint):
+        super().__init__(ckpt)
+        self.spec.embed_scale = math.sqrt(self.spec.hidden_size)
+
+    def norm(self, name: str) -> np.ndarray:
+        return 1.0 + self.get(name)
+
+
+class Gemma2Adapter(GemmaAdapter):
+    """Gemma-2: sandwich norms, attention and final soft-capping, a query scale of its
+    own, and sliding-window attention on alternate layers."""
+
+    def __init__(self, ckpt: Checkpoint):
+        super().__init__(ckpt)
+        c = ckpt.config
+        self.spec.attn_scale = c.get("query_pre_attn_scalar", self.spec.head_dim) ** -0.5
+        self.spec.attn_softcap = c.get("attn_logit_softcapping")
+        self.spec.final_softcap = c.get("final_logit_softcapping")
+        if c.get("layer_types") is None and c.get("sliding_window"):
+            self.spec.sliding_window = [c["sliding_window"] if i % 2 == 0 else None
+                                        for i in range(self.spec.num_layers)]
+
+    def layer(self, i: int) -> LayerWeights:
+        lw = super().layer(i)
+        p = f"model.layers.{i}."
+        lw.attn_out_norm = self.norm(p + "post_attention_layernorm.weight")
+        lw.mlp_norm = self.norm(p + "pre_feedforward_layernorm.weight")
+        lw.mlp_out_norm = self.norm(p + "post_feedforward_layernorm.weight")
+        return lw
+
+
+ADAPTERS: dict[str, type[LlamaAdapter]] = {
     "LlamaForCausalLM": LlamaAdapter,
     "MistralForCausalLM": LlamaAdapter,
+    "Qwen2ForCausalLM": Qwen2Adapter,
+    "Qwen3ForCausalLM": Qwen3Adapter,
+    "Phi3ForCausalLM": Phi3Adapter,
+    "GemmaForCausalLM": GemmaAdapter,
+    "Gemma2ForCausalLM": Gemma2Adapter,
 }
 
 

@@ -30,10 +30,9 @@ BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
 def rope_cache(spec: DecoderSpec) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, head_dim/2] for the half-split (rotate_half) layout."""
-    inv_freq = 1.0 / spec.rope_theta ** (np.arange(0, spec.head_dim, 2, dtype=np.float64)
-                                          / spec.head_dim)
-    angles = np.outer(np.arange(spec.max_positions, dtype=np.float64), inv_freq)
+    """cos/sin [max_positions, rotary_dim/2] for the half-split (rotate_half) layout; a
+    rotary_dim below head_dim is partial rotary, which GQA reads off the cache width."""
+    angles = np.outer(np.arange(spec.max_positions, dtype=np.float64), spec.inv_freq)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
@@ -107,6 +106,9 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
         half = g.node("Gather", [g.const("embed.weight", embeddings.astype(np.float16)),
                                  "input_ids"], ["embed.half"], "embed")[0]
         x = g.node("Cast", [half], ["embed.out"], "embed.cast", to=TensorProto.FLOAT)[0]
+    if spec.embed_scale:
+        x = g.node("Mul", [x, g.const("embed.scale", np.array(spec.embed_scale, np.float32))],
+                   ["embed.scaled"], "embed.scale")[0]
 
     # GQA's lengths, read off the bias: total = T, seqlens_k = T - 1.
     shape = g.node("Shape", ["attention_bias"], ["bias.shape"], "bias.shape")[0]
@@ -119,38 +121,75 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     seqlens_k = g.node("Reshape", [seqlens, g.const("shape1", np.array([1], np.int64))],
                        ["seqlens_k"], "seqlens.reshape")[0]
     cos, sin = rope_cache(spec)
-    cos_name, sin_name = g.const("cos_cache", cos), g.const("sin_cache", sin)
+    rope = [g.const("cos_cache", cos), g.const("sin_cache", sin)]
     eps = spec.rms_norm_eps
+    q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+
+    def rms(x: str, weight: np.ndarray, name: str) -> str:
+        return g.node("SimplifiedLayerNormalization", [x, g.const(f"{name}.weight", weight)],
+                      [name], name, epsilon=eps, axis=-1, stash_type=1)[0]
+
+    def head_norm(x: str, weight: np.ndarray, heads: int, name: str) -> str:
+        """RMSNorm over each head's vector (Qwen3's q/k norms)."""
+        split = g.const(f"{name}.heads", np.array([1, -1, heads, spec.head_dim], np.int64))
+        merged = g.const(f"{name}.merged", np.array([1, -1, heads * spec.head_dim], np.int64))
+        y = g.node("Reshape", [x, split], [f"{name}.split"], f"{name}.split")[0]
+        y = rms(y, weight, f"{name}.norm")
+        return g.node("Reshape", [y, merged], [f"{name}.out"], f"{name}.merge")[0]
 
     resid, delta = x, None
     for i, lw in enumerate(layers):
         p = f"layers.{i}"
-        w_in = g.const(f"{p}.input_norm", lw.input_norm)
         if delta is None:
-            h = g.node("SimplifiedLayerNormalization", [resid, w_in], [f"{p}.norm1"],
-                       f"{p}.norm1", epsilon=eps, axis=-1, stash_type=1)[0]
+            h = rms(resid, lw.input_norm, f"{p}.norm1")
         else:
-            h, _, _, resid = g.node("SkipSimplifiedLayerNormalization", [resid, delta, w_in],
-                                    [f"{p}.norm1", "", "", f"{p}.resid1"], f"{p}.norm1",
-                                    domain=MS, epsilon=eps)
+            h, _, _, resid = g.node(
+                "SkipSimplifiedLayerNormalization",
+                [resid, delta, g.const(f"{p}.input_norm", lw.input_norm)],
+                [f"{p}.norm1", "", "", f"{p}.resid1"], f"{p}.norm1", domain=MS, epsilon=eps)
         qkv = g.linear(h, lw.qkv, f"{p}.qkv")
+        if lw.qkv_bias is not None:
+            qkv = g.node("Add", [qkv, g.const(f"{p}.qkv.bias", lw.qkv_bias)], [f"{p}.qkv.b"],
+                         f"{p}.qkv.bias")[0]
+        if lw.q_norm is not None:
+            q, k, v = g.node("Split", [qkv, g.const(f"{p}.qkv.sizes", np.array(
+                [q_dim, kv_dim, kv_dim], np.int64))], [f"{p}.q", f"{p}.k", f"{p}.v"],
+                f"{p}.qkv.split", axis=-1)
+            qkv_inputs = [head_norm(q, lw.q_norm, spec.num_heads, f"{p}.qn"),
+                          head_norm(k, lw.k_norm, spec.num_kv_heads, f"{p}.kn"), v]
+        else:
+            qkv_inputs = [qkv, "", ""]
+        attrs = dict(num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, do_rotary=1,
+                     rotary_interleaved=0)
+        if spec.attn_scale:
+            attrs["scale"] = spec.attn_scale
+        if spec.attn_softcap:
+            attrs["softcap"] = spec.attn_softcap
+        if spec.sliding_window and spec.sliding_window[i]:
+            attrs["local_window_size"] = spec.sliding_window[i]
         attn = g.node("GroupQueryAttention",
-                      [qkv, "", "", f"past_key_{i}", f"past_value_{i}", seqlens_k, total,
-                       cos_name, sin_name, "position_ids", "attention_bias"],
+                      [*qkv_inputs, f"past_key_{i}", f"past_value_{i}", seqlens_k, total,
+                       *rope, "position_ids", "attention_bias"],
                       [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
-                      domain=MS, num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads,
-                      do_rotary=1, rotary_interleaved=0)[0]
+                      domain=MS, **attrs)[0]
         o = g.linear(attn, lw.o, f"{p}.o")
+        if lw.attn_out_norm is not None:
+            o = rms(o, lw.attn_out_norm, f"{p}.attn_out_norm")
         h, _, _, resid = g.node("SkipSimplifiedLayerNormalization",
-                                [resid, o, g.const(f"{p}.post_norm", lw.post_attention_norm)],
+                                [resid, o, g.const(f"{p}.mlp_norm", lw.mlp_norm)],
                                 [f"{p}.norm2", "", "", f"{p}.resid2"], f"{p}.norm2",
                                 domain=MS, epsilon=eps)
         gate, up = g.node("Split", [g.linear(h, lw.gate_up, f"{p}.gate_up")],
                           [f"{p}.gate", f"{p}.up"], f"{p}.split", axis=-1, num_outputs=2)
-        sig = g.node("Sigmoid", [gate], [f"{p}.sig"], f"{p}.sig")[0]
-        silu = g.node("Mul", [gate, sig], [f"{p}.silu"], f"{p}.silu")[0]
-        act = g.node("Mul", [silu, up], [f"{p}.act"], f"{p}.act")[0]
+        if spec.activation == "gelu_tanh":
+            act = g.node("FastGelu", [gate], [f"{p}.gelu"], f"{p}.gelu", domain=MS)[0]
+        else:
+            sig = g.node("Sigmoid", [gate], [f"{p}.sig"], f"{p}.sig")[0]
+            act = g.node("Mul", [gate, sig], [f"{p}.silu"], f"{p}.silu")[0]
+        act = g.node("Mul", [act, up], [f"{p}.act"], f"{p}.act")[0]
         delta = g.linear(act, lw.down, f"{p}.down")
+        if lw.mlp_out_norm is not None:
+            delta = rms(delta, lw.mlp_out_norm, f"{p}.mlp_out_norm")
         if on_layer:
             on_layer(i)
 
@@ -159,8 +198,12 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                         ["final.norm", "", "", ""], "final.norm", domain=MS, epsilon=eps)
     head_bits = None if precision == "fp32" else 8
     logits = g.linear(h, lm_head, "lm_head", bits=head_bits)
+    if spec.final_softcap:  # c * tanh(logits / c)
+        cap = g.const("final_softcap", np.array(spec.final_softcap, np.float32))
+        scaled = g.node("Div", [logits, cap], ["logits.scaled"], "softcap.div")[0]
+        tanh = g.node("Tanh", [scaled], ["logits.tanh"], "softcap.tanh")[0]
+        logits = g.node("Mul", [tanh, cap], ["logits.capped"], "softcap.mul")[0]
     g.node("Identity", [logits], ["logits"], "logits")
-
     graph = helper.make_graph(g.nodes, f"edgespec-{spec.architecture}", inputs, outputs,
                               initializer=g.inits)
     return helper.make_model(graph, producer_name="edgespec", ir_version=10,

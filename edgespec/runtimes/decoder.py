@@ -25,11 +25,18 @@ class KVCache:
 
     def __init__(self, entry: ModelEntry, max_len: int, device: str = "cpu"):
         shape = [1, entry.num_kv_heads, max_len, entry.head_dim]
-        ort_device = "cuda" if device == "cuda" else "cpu"
-        self.buffers = [
-            (ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, ort_device),
-             ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, ort_device))
-            for _ in range(entry.num_layers)]
+        if device == "cuda":
+            self.buffers = [
+                (ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cuda"),
+                 ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cuda"))
+                for _ in range(entry.num_layers)]
+        else:
+            # CPU OrtValues wrapping numpy arrays share their memory, so the cache can be
+            # edited in place from numpy (compacting a verified tree path, for one)
+            self.arrays = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+                           for _ in range(entry.num_layers)]
+            self.buffers = [(ort.OrtValue.ortvalue_from_numpy(k),
+                             ort.OrtValue.ortvalue_from_numpy(v)) for k, v in self.arrays]
         self.max_len = max_len
         self.length = 0
 
