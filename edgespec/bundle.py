@@ -29,6 +29,7 @@ FORMAT_VERSION = 1
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
 EP_PROFILES = ("cpu", "cuda", "dml")
 KV_LAYOUTS = ("gqa-shared-buffer",)
+KV_DTYPES = ("float32", "float16")
 
 
 @dataclass
@@ -48,6 +49,7 @@ class ModelEntry:
     params: int
     block_size: int | None = None
     kv_layout: str = "gqa-shared-buffer"
+    kv_dtype: str = "float32"
     data_files: list[str] = field(default_factory=list)
     source: str = ""
 
@@ -94,6 +96,7 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
     fields = ModelEntry.__dataclass_fields__
     raw = {k: v for k, v in raw.items() if k in fields}  # newer optional fields: ignored
     kinds = {"graph": str, "architecture": str, "precision": str, "kv_layout": str,
+             "kv_dtype": str,
              "source": str, "data_files": list, "block_size": (int, type(None))}
     for name, f in fields.items():
         if name not in raw:
@@ -106,6 +109,9 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
     if entry.precision not in PRECISIONS:
         raise _fail(mpath, f"'{where}.precision' is '{entry.precision}', not one of "
                            f"{', '.join(PRECISIONS)}; re-export the bundle.")
+    if entry.kv_dtype not in KV_DTYPES:
+        raise _fail(mpath, f"'{where}.kv_dtype' is '{entry.kv_dtype}', not one of "
+                           f"{', '.join(KV_DTYPES)}; re-export the bundle.")
     if entry.kv_layout not in KV_LAYOUTS:
         raise _fail(mpath, f"'{where}.kv_layout' is '{entry.kv_layout}', which this edgespec "
                            "cannot run; upgrade edgespec or re-export the bundle.")

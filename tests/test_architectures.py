@@ -83,6 +83,22 @@ def test_fp32_export_matches_transformers(checkpoint, tmp_path):
     assert np.abs(got - ref).max() < TOL * max(1.0, np.abs(ref).max())
 
 
+def test_cuda_profile_fp16_graph_on_cpu_ep(checkpoint, tmp_path):
+    """The cuda profile computes in fp16 (CUDA's GQA has no fp32 kernel); the CPU EP runs
+    the same graph, so its wiring is checked here against PyTorch in fp32. fp16 keeps
+    ~3 significant digits: a tolerance of 2e-2 of the largest logit."""
+    path, model = checkpoint
+    export(path, tmp_path / "b", precision="fp16", ep_profile="cuda")
+    m = read_manifest(tmp_path / "b")
+    assert m.target.kv_dtype == "float16"
+    sess = DecoderSession(tmp_path / "b" / "target.onnx", m.target, ["CPUExecutionProvider"])
+    ids = np.random.default_rng(2).integers(0, VOCAB, 24)
+    ref = torch_logits(model, ids)
+    got = np.concatenate([sess.forward(ids[:9]), sess.forward(ids[9:10]),
+                          sess.forward(ids[10:])])
+    assert np.abs(got - ref).max() < 2e-2 * max(1.0, np.abs(ref).max())
+
+
 def test_int4_export_runs_and_stays_close(checkpoint, tmp_path):
     path, model = checkpoint
     export(path, tmp_path / "b", precision="int4", block_size=32)

@@ -147,7 +147,7 @@ def test_export_errors(tmp_path, demo_target):
     with pytest.raises(EdgespecError, match="neither an existing directory nor a Hub id"):
         export("./missing/dir", tmp_path / "b")
     with pytest.raises(EdgespecError, match="cannot be exported yet"):
-        export(demo_target, tmp_path / "b", precision="fp16")
+        export(demo_target, tmp_path / "b", ep_profile="webgpu")
     (tmp_path / "empty").mkdir()
     with pytest.raises(EdgespecError, match="has no config.json"):
         export(tmp_path / "empty", tmp_path / "b")

@@ -9,6 +9,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime
 from rich.console import Console
@@ -25,8 +26,10 @@ from edgespec.export.hub import resolve_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
-EXPORTED_PRECISIONS = ("fp32", "int8", "int4", "int2")
-EXPORTED_PROFILES = ("cpu",)
+EXPORTED_PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
+# compute dtype per EP profile: CUDA's GQA has only fp16/bf16 kernels; the CPU's fp16
+# kernels are slow or missing, so the CPU computes in fp32 whatever the weights are
+PROFILE_DTYPE = {"cpu": np.float32, "cuda": np.float16}
 
 
 def _vocab(path: Path) -> dict[str, int]:
@@ -56,7 +59,7 @@ def check_same_vocab(target: Path, draft: Path) -> None:
 
 
 def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_size: int,
-                  accuracy_level: int, progress: Progress) -> ModelEntry:
+                  accuracy_level: int, ep_profile: str, progress: Progress) -> ModelEntry:
     task = progress.add_task(f"{role}: loading {ckpt_dir.name}", total=None)
     adapter = adapter_for(load_checkpoint(ckpt_dir))
     spec = adapter.spec
@@ -65,6 +68,7 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
                     description=f"{role}: building {precision} graph")
     model = build_decoder(spec, adapter.embeddings(), adapter.layers(), adapter.final_norm(),
                           adapter.lm_head(), precision, block_size, accuracy_level,
+                          dtype=PROFILE_DTYPE[ep_profile],
                           on_layer=lambda i: progress.advance(task))
     progress.update(task, description=f"{role}: writing {role}.onnx")
     onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
@@ -74,7 +78,8 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
     return ModelEntry(
         graph=f"{role}.onnx", data_files=[f"{role}.onnx.data"],
         architecture=spec.architecture, precision=precision,
-        block_size=None if precision == "fp32" else block_size,
+        block_size=None if precision in ("fp32", "fp16") else block_size,
+        kv_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name,
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         max_positions=spec.max_positions, params=params, source=str(ckpt_dir))
@@ -98,9 +103,9 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
             known = f"; known precisions are {', '.join(PRECISIONS)}" if p in PRECISIONS else ""
             raise EdgespecError(f"precision '{p}' cannot be exported yet{known}; use one of "
                                 f"{', '.join(EXPORTED_PRECISIONS)}.")
-    if ep_profile not in EXPORTED_PROFILES:
+    if ep_profile not in PROFILE_DTYPE:
         raise EdgespecError(f"EP profile '{ep_profile}' cannot be exported yet; use "
-                            f"{', '.join(EXPORTED_PROFILES)}.")
+                            f"{', '.join(PROFILE_DTYPE)}.")
     if block_size not in (16, 32, 64, 128, 256):
         raise EdgespecError(f"block size {block_size} is not supported; use 32, 64 or 128.")
     start = time.time()
@@ -126,9 +131,9 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     with write_bundle(out, overwrite) as (tmp, finish), Progress(*columns, console=console,
                                                                  transient=True) as progress:
         target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
-                                     accuracy_level, progress)
+                                     accuracy_level, ep_profile, progress)
         draft_entry = (_export_model(draft_dir, "draft", tmp, draft_precision, block_size,
-                                     accuracy_level, progress) if draft_dir else None)
+                                     accuracy_level, ep_profile, progress) if draft_dir else None)
         tok_files = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
         for f in tok_files:
             shutil.copy2(target_dir / f, tmp / f)

@@ -37,18 +37,29 @@ def rope_cache(spec: DecoderSpec) -> tuple[np.ndarray, np.ndarray]:
 
 
 class GraphBuilder:
-    """Accumulates nodes and initializers; `linear` picks MatMul or MatMulNBits."""
+    """Accumulates nodes and initializers; `linear` picks MatMul or MatMulNBits.
 
-    def __init__(self, precision: str, block_size: int, accuracy_level: int):
+    `dtype` is the compute dtype of activations, norms and the KV cache: float32 for the
+    CPU, float16 for CUDA (whose GQA has no float32 kernel).
+    """
+
+    def __init__(self, precision: str, block_size: int, accuracy_level: int,
+                 dtype: type = np.float32):
         self.precision = precision
         self.block_size = block_size
         self.accuracy_level = accuracy_level
+        self.dtype = np.dtype(dtype)
+        self.onnx_dtype = helper.np_dtype_to_tensor_dtype(self.dtype)
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
 
     def const(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(array, name))
+        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
         return name
+
+    def fconst(self, name: str, array: np.ndarray | float) -> str:
+        """A float constant in the compute dtype."""
+        return self.const(name, np.asarray(array, dtype=self.dtype))
 
     def node(self, op: str, inputs: Iterable[str], outputs: Iterable[str], name: str,
              domain: str = "", **attrs) -> list[str]:
@@ -62,11 +73,15 @@ class GraphBuilder:
         n, k = weight.shape
         bits = bits or BITS.get(self.precision)
         if bits is None:
-            w = self.const(f"{name}.weight", np.ascontiguousarray(weight.T.astype(np.float32)))
+            store = np.float16 if self.precision == "fp16" else self.dtype
+            w = self.const(f"{name}.weight", np.ascontiguousarray(weight.T.astype(store)))
+            if np.dtype(store) != self.dtype:  # fp16 on disk, upcast once at session load
+                w = self.node("Cast", [w], [f"{name}.weight.c"], f"{name}.upcast",
+                              to=self.onnx_dtype)[0]
             return self.node("MatMul", [x, w], [f"{name}.out"], name)[0]
         q = quantize_blockwise(weight, bits, self.block_size)
         b = self.const(f"{name}.qweight", q.packed)
-        s = self.const(f"{name}.scales", q.scales)
+        s = self.fconst(f"{name}.scales", q.scales)
         return self.node("MatMulNBits", [x, b, s], [f"{name}.out"], name, domain=MS,
                          K=k, N=n, bits=bits, block_size=self.block_size,
                          accuracy_level=self.accuracy_level)[0]
@@ -74,16 +89,17 @@ class GraphBuilder:
 
 def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[LayerWeights],
                   final_norm: np.ndarray, lm_head: np.ndarray, precision: str = "fp32",
-                  block_size: int = 32, accuracy_level: int = 0,
+                  block_size: int = 32, accuracy_level: int = 0, dtype: type = np.float32,
                   on_layer: Callable[[int], None] | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
     Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
     precision costs memory, not speed) and the LM head at 8 bits even for int4/int2
     bodies: the head decides which token wins, and low-bit heads cost accuracy that
-    no speculative trick recovers.
+    no speculative trick recovers. Logits and the bias stay float32 at the graph's edge
+    whatever the compute dtype, so the runtime's contract does not change.
     """
-    g = GraphBuilder(precision, block_size, accuracy_level)
+    g = GraphBuilder(precision, block_size, accuracy_level, dtype)
     s_dim, t_dim = "sequence", "total_sequence"
     kv_shape = [1, spec.num_kv_heads, "max_length", spec.head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, s_dim]),
@@ -94,21 +110,22 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                                              [1, s_dim, spec.vocab_size])]
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", TensorProto.FLOAT,
+            inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", g.onnx_dtype,
                                                         kv_shape))
-            outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}",
-                                                         TensorProto.FLOAT, kv_shape))
+            outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", g.onnx_dtype,
+                                                         kv_shape))
 
-    if precision == "fp32":
-        x = g.node("Gather", [g.const("embed.weight", embeddings), "input_ids"],
-                   ["embed.out"], "embed")[0]
-    else:
-        half = g.node("Gather", [g.const("embed.weight", embeddings.astype(np.float16)),
-                                 "input_ids"], ["embed.half"], "embed")[0]
-        x = g.node("Cast", [half], ["embed.out"], "embed.cast", to=TensorProto.FLOAT)[0]
+    table = embeddings.astype(g.dtype if precision == "fp32" else np.float16)
+    x = g.node("Gather", [g.const("embed.weight", table), "input_ids"], ["embed.raw"],
+               "embed")[0]
+    if table.dtype != g.dtype:
+        x = g.node("Cast", [x], ["embed.out"], "embed.cast", to=g.onnx_dtype)[0]
     if spec.embed_scale:
-        x = g.node("Mul", [x, g.const("embed.scale", np.array(spec.embed_scale, np.float32))],
-                   ["embed.scaled"], "embed.scale")[0]
+        x = g.node("Mul", [x, g.fconst("embed.scale", spec.embed_scale)], ["embed.scaled"],
+                   "embed.scale")[0]
+    bias = "attention_bias"
+    if g.dtype != np.float32:
+        bias = g.node("Cast", [bias], ["attention_bias.c"], "bias.cast", to=g.onnx_dtype)[0]
 
     # GQA's lengths, read off the bias: total = T, seqlens_k = T - 1.
     shape = g.node("Shape", ["attention_bias"], ["bias.shape"], "bias.shape")[0]
@@ -121,12 +138,12 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     seqlens_k = g.node("Reshape", [seqlens, g.const("shape1", np.array([1], np.int64))],
                        ["seqlens_k"], "seqlens.reshape")[0]
     cos, sin = rope_cache(spec)
-    rope = [g.const("cos_cache", cos), g.const("sin_cache", sin)]
+    rope = [g.fconst("cos_cache", cos), g.fconst("sin_cache", sin)]
     eps = spec.rms_norm_eps
     q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
 
     def rms(x: str, weight: np.ndarray, name: str) -> str:
-        return g.node("SimplifiedLayerNormalization", [x, g.const(f"{name}.weight", weight)],
+        return g.node("SimplifiedLayerNormalization", [x, g.fconst(f"{name}.weight", weight)],
                       [name], name, epsilon=eps, axis=-1, stash_type=1)[0]
 
     def head_norm(x: str, weight: np.ndarray, heads: int, name: str) -> str:
@@ -145,11 +162,11 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
         else:
             h, _, _, resid = g.node(
                 "SkipSimplifiedLayerNormalization",
-                [resid, delta, g.const(f"{p}.input_norm", lw.input_norm)],
+                [resid, delta, g.fconst(f"{p}.input_norm", lw.input_norm)],
                 [f"{p}.norm1", "", "", f"{p}.resid1"], f"{p}.norm1", domain=MS, epsilon=eps)
         qkv = g.linear(h, lw.qkv, f"{p}.qkv")
         if lw.qkv_bias is not None:
-            qkv = g.node("Add", [qkv, g.const(f"{p}.qkv.bias", lw.qkv_bias)], [f"{p}.qkv.b"],
+            qkv = g.node("Add", [qkv, g.fconst(f"{p}.qkv.bias", lw.qkv_bias)], [f"{p}.qkv.b"],
                          f"{p}.qkv.bias")[0]
         if lw.q_norm is not None:
             q, k, v = g.node("Split", [qkv, g.const(f"{p}.qkv.sizes", np.array(
@@ -169,14 +186,14 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
             attrs["local_window_size"] = spec.sliding_window[i]
         attn = g.node("GroupQueryAttention",
                       [*qkv_inputs, f"past_key_{i}", f"past_value_{i}", seqlens_k, total,
-                       *rope, "position_ids", "attention_bias"],
+                       *rope, "position_ids", bias],
                       [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
                       domain=MS, **attrs)[0]
         o = g.linear(attn, lw.o, f"{p}.o")
         if lw.attn_out_norm is not None:
             o = rms(o, lw.attn_out_norm, f"{p}.attn_out_norm")
         h, _, _, resid = g.node("SkipSimplifiedLayerNormalization",
-                                [resid, o, g.const(f"{p}.mlp_norm", lw.mlp_norm)],
+                                [resid, o, g.fconst(f"{p}.mlp_norm", lw.mlp_norm)],
                                 [f"{p}.norm2", "", "", f"{p}.resid2"], f"{p}.norm2",
                                 domain=MS, epsilon=eps)
         gate, up = g.node("Split", [g.linear(h, lw.gate_up, f"{p}.gate_up")],
@@ -194,16 +211,19 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
             on_layer(i)
 
     h, _, _, _ = g.node("SkipSimplifiedLayerNormalization",
-                        [resid, delta, g.const("final_norm", final_norm)],
+                        [resid, delta, g.fconst("final_norm", final_norm)],
                         ["final.norm", "", "", ""], "final.norm", domain=MS, epsilon=eps)
-    head_bits = None if precision == "fp32" else 8
+    head_bits = 8 if precision in BITS else None
     logits = g.linear(h, lm_head, "lm_head", bits=head_bits)
     if spec.final_softcap:  # c * tanh(logits / c)
-        cap = g.const("final_softcap", np.array(spec.final_softcap, np.float32))
+        cap = g.fconst("final_softcap", spec.final_softcap)
         scaled = g.node("Div", [logits, cap], ["logits.scaled"], "softcap.div")[0]
         tanh = g.node("Tanh", [scaled], ["logits.tanh"], "softcap.tanh")[0]
         logits = g.node("Mul", [tanh, cap], ["logits.capped"], "softcap.mul")[0]
-    g.node("Identity", [logits], ["logits"], "logits")
+    if g.dtype != np.float32:
+        g.node("Cast", [logits], ["logits"], "logits", to=TensorProto.FLOAT)
+    else:
+        g.node("Identity", [logits], ["logits"], "logits")
     graph = helper.make_graph(g.nodes, f"edgespec-{spec.architecture}", inputs, outputs,
                               initializer=g.inits)
     return helper.make_model(graph, producer_name="edgespec", ir_version=10,

@@ -25,15 +25,16 @@ class KVCache:
 
     def __init__(self, entry: ModelEntry, max_len: int, device: str = "cpu"):
         shape = [1, entry.num_kv_heads, max_len, entry.head_dim]
+        dtype = np.dtype(entry.kv_dtype)
         if device == "cuda":
             self.buffers = [
-                (ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cuda"),
-                 ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cuda"))
+                (ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda"),
+                 ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda"))
                 for _ in range(entry.num_layers)]
         else:
             # CPU OrtValues wrapping numpy arrays share their memory, so the cache can be
             # edited in place from numpy (compacting a verified tree path, for one)
-            self.arrays = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+            self.arrays = [(np.zeros(shape, dtype), np.zeros(shape, dtype))
                            for _ in range(entry.num_layers)]
             self.buffers = [(ort.OrtValue.ortvalue_from_numpy(k),
                              ort.OrtValue.ortvalue_from_numpy(v)) for k, v in self.arrays]
