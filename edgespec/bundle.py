@@ -28,7 +28,7 @@ FORMAT = "edgespec-bundle"
 FORMAT_VERSION = 1
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
 EP_PROFILES = ("cpu", "cuda", "dml")
-KV_LAYOUTS = ("gqa-shared-buffer",)
+KV_LAYOUTS = ("gqa-shared-buffer", "mha-concat")
 KV_DTYPES = ("float32", "float16")
 
 

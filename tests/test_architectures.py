@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from edgespec.bundle import read_manifest
+from edgespec.errors import EdgespecError
 from edgespec.export import export
 from edgespec.runtimes import DecoderSession
+from edgespec.runtimes.decoder import NEG_INF
 from tests.conftest import torch_logits
 
 TOL = 1e-4
@@ -74,8 +76,7 @@ def checkpoint(request, tmp_path_factory, demo_target):
 def test_fp32_export_matches_transformers(checkpoint, tmp_path):
     path, model = checkpoint
     export(path, tmp_path / "b", precision="fp32")
-    m = read_manifest(tmp_path / "b")
-    sess = DecoderSession(tmp_path / "b" / "target.onnx", m.target, ["CPUExecutionProvider"])
+    sess = session(tmp_path / "b")
     ids = np.random.default_rng(0).integers(0, VOCAB, 24)
     ref = torch_logits(model, ids)
     got = np.concatenate([sess.forward(ids[:9]), sess.forward(ids[9:10]),
@@ -83,27 +84,84 @@ def test_fp32_export_matches_transformers(checkpoint, tmp_path):
     assert np.abs(got - ref).max() < TOL * max(1.0, np.abs(ref).max())
 
 
-def test_cuda_profile_fp16_graph_on_cpu_ep(checkpoint, tmp_path):
-    """The cuda profile computes in fp16 (CUDA's GQA has no fp32 kernel); the CPU EP runs
-    the same graph, so its wiring is checked here against PyTorch in fp32. fp16 keeps
-    ~3 significant digits: a tolerance of 2e-2 of the largest logit."""
+def session(bundle) -> DecoderSession:
+    m = read_manifest(bundle)
+    return DecoderSession(bundle / "target.onnx", m.target, ["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("profile", ["cuda", "dml"])
+def test_gpu_profile_fp16_graph_on_cpu_ep(checkpoint, tmp_path, profile):
+    """The cuda and dml profiles compute in fp16 (CUDA's GQA has no fp32 kernel; dml uses
+    MultiHeadAttention with a concatenated cache); the CPU EP runs the same graphs, so
+    their wiring is checked here against PyTorch in fp32, including a rollback. fp16
+    keeps ~3 significant digits: a tolerance of 2e-2 of the largest logit."""
     path, model = checkpoint
-    export(path, tmp_path / "b", precision="fp16", ep_profile="cuda")
+    config = model.config
+    if profile == "dml" and (getattr(config, "sliding_window", None)
+                             or getattr(config, "attn_logit_softcapping", None)):
+        with pytest.raises(EdgespecError, match="dml profile cannot express"):
+            export(path, tmp_path / "b", precision="fp16", ep_profile=profile)
+        assert not (tmp_path / "b").exists()
+        return
+    export(path, tmp_path / "b", precision="fp16", ep_profile=profile)
     m = read_manifest(tmp_path / "b")
     assert m.target.kv_dtype == "float16"
-    sess = DecoderSession(tmp_path / "b" / "target.onnx", m.target, ["CPUExecutionProvider"])
+    assert m.target.kv_layout == {"cuda": "gqa-shared-buffer", "dml": "mha-concat"}[profile]
+    sess = session(tmp_path / "b")
     ids = np.random.default_rng(2).integers(0, VOCAB, 24)
     ref = torch_logits(model, ids)
     got = np.concatenate([sess.forward(ids[:9]), sess.forward(ids[9:10]),
                           sess.forward(ids[10:])])
-    assert np.abs(got - ref).max() < 2e-2 * max(1.0, np.abs(ref).max())
+    tol = 2e-2 * max(1.0, np.abs(ref).max())
+    assert np.abs(got - ref).max() < tol
+    sess.cache.trim(4)
+    assert np.abs(sess.forward(ids[20:]) - ref[20:]).max() < tol
+
+
+def test_tree_pass_gives_each_node_its_path_logits(checkpoint, tmp_path):
+    """Tree a -> (b -> d, c) after a prefix: one pass, four nodes, three paths."""
+    path, model = checkpoint
+    export(path, tmp_path / "b", precision="fp32")
+    sess = session(tmp_path / "b")
+    prefix = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, 8)]
+    a, b, c, d = 11, 222, 3333, 44
+    sess.forward(prefix)
+    n = len(prefix)
+    parents = [-1, 0, 0, 1]
+    bias = np.full((1, 1, 4, n + 4), NEG_INF, np.float32)
+    bias[0, 0, :, :n] = 0
+    for node in range(4):
+        anc = node
+        while anc >= 0:
+            bias[0, 0, node, n + anc] = 0
+            anc = parents[anc]
+    got = sess.forward([a, b, c, d], positions=np.array([n, n + 1, n + 1, n + 2]), bias=bias)
+    via_d = torch_logits(model, prefix + [a, b, d])
+    via_c = torch_logits(model, prefix + [a, c])
+    want = np.stack([via_d[n], via_d[n + 1], via_c[n + 1], via_d[n + 2]])
+    assert np.abs(got - want).max() < TOL * max(1.0, np.abs(want).max())
+
+
+def test_greedy_generation_matches_transformers(checkpoint, tmp_path):
+    path, model = checkpoint
+    export(path, tmp_path / "b", precision="fp32")
+    sess = session(tmp_path / "b")
+    prompt = [int(t) for t in np.random.default_rng(4).integers(1, VOCAB, 6)]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 6),
+                              max_new_tokens=32, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, 6:].tolist()
+    got, logits = [], sess.forward(prompt)
+    for _ in range(32):
+        got.append(int(np.argmax(logits[-1])))
+        logits = sess.forward(got[-1:])
+    assert got == want
 
 
 def test_int4_export_runs_and_stays_close(checkpoint, tmp_path):
     path, model = checkpoint
     export(path, tmp_path / "b", precision="int4", block_size=32)
-    m = read_manifest(tmp_path / "b")
-    sess = DecoderSession(tmp_path / "b" / "target.onnx", m.target, ["CPUExecutionProvider"])
+    sess = session(tmp_path / "b")
     ids = np.random.default_rng(1).integers(0, VOCAB, 16)
     ref = torch_logits(model, ids)
     got = sess.forward(ids)

@@ -29,7 +29,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 EXPORTED_PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
 # compute dtype per EP profile: CUDA's GQA has only fp16/bf16 kernels; the CPU's fp16
 # kernels are slow or missing, so the CPU computes in fp32 whatever the weights are
-PROFILE_DTYPE = {"cpu": np.float32, "cuda": np.float16}
+PROFILE_DTYPE = {"cpu": np.float32, "cuda": np.float16, "dml": np.float16}
+# DirectML's GQA cannot verify several tokens against a cache and takes no bias
+PROFILE_ATTENTION = {"cpu": "gqa", "cuda": "gqa", "dml": "mha"}
+KV_LAYOUT = {"gqa": "gqa-shared-buffer", "mha": "mha-concat"}
 
 
 def _vocab(path: Path) -> dict[str, int]:
@@ -63,12 +66,17 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
     task = progress.add_task(f"{role}: loading {ckpt_dir.name}", total=None)
     adapter = adapter_for(load_checkpoint(ckpt_dir))
     spec = adapter.spec
+    attention = PROFILE_ATTENTION[ep_profile]
+    if attention == "mha" and (spec.attn_softcap or any(spec.sliding_window)):
+        raise EdgespecError(f"{ckpt_dir}: the dml profile cannot express attention "
+                            "soft-capping or sliding windows yet; export with --ep-profile "
+                            "cpu or cuda.")
     params = sum(int(t.size) for t in adapter.ckpt.tensors.values())
     progress.update(task, total=spec.num_layers + 1, completed=0,
                     description=f"{role}: building {precision} graph")
     model = build_decoder(spec, adapter.embeddings(), adapter.layers(), adapter.final_norm(),
                           adapter.lm_head(), precision, block_size, accuracy_level,
-                          dtype=PROFILE_DTYPE[ep_profile],
+                          dtype=PROFILE_DTYPE[ep_profile], attention=attention,
                           on_layer=lambda i: progress.advance(task))
     progress.update(task, description=f"{role}: writing {role}.onnx")
     onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
@@ -79,7 +87,7 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
         graph=f"{role}.onnx", data_files=[f"{role}.onnx.data"],
         architecture=spec.architecture, precision=precision,
         block_size=None if precision in ("fp32", "fp16") else block_size,
-        kv_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name,
+        kv_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         max_positions=spec.max_positions, params=params, source=str(ckpt_dir))
@@ -104,8 +112,12 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
             raise EdgespecError(f"precision '{p}' cannot be exported yet{known}; use one of "
                                 f"{', '.join(EXPORTED_PRECISIONS)}.")
     if ep_profile not in PROFILE_DTYPE:
-        raise EdgespecError(f"EP profile '{ep_profile}' cannot be exported yet; use "
+        raise EdgespecError(f"EP profile '{ep_profile}' is not one of "
                             f"{', '.join(PROFILE_DTYPE)}.")
+    if ep_profile == "dml" and {precision, draft_precision} & {"int2", "int8"}:
+        raise EdgespecError("the dml profile supports fp32, fp16 and int4 weights (DirectML's "
+                            "MatMulNBits needs zero points, which 8-bit codes cannot carry, "
+                            "and has no 2-bit kernel).")
     if block_size not in (16, 32, 64, 128, 256):
         raise EdgespecError(f"block size {block_size} is not supported; use 32, 64 or 128.")
     start = time.time()

@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgespec.export.architectures import DecoderSpec, LayerWeights
-from edgespec.quant import quantize_blockwise
+from edgespec.quant.blockwise import quantize_blockwise, symmetric_zero_points
 
 OPSET = 21
 MS = "com.microsoft"
@@ -44,7 +44,8 @@ class GraphBuilder:
     """
 
     def __init__(self, precision: str, block_size: int, accuracy_level: int,
-                 dtype: type = np.float32):
+                 dtype: type = np.float32, zero_points: bool = False):
+        self.zero_points = zero_points  # DirectML's MatMulNBits wants all four inputs
         self.precision = precision
         self.block_size = block_size
         self.accuracy_level = accuracy_level
@@ -80,16 +81,95 @@ class GraphBuilder:
                               to=self.onnx_dtype)[0]
             return self.node("MatMul", [x, w], [f"{name}.out"], name)[0]
         q = quantize_blockwise(weight, bits, self.block_size)
-        b = self.const(f"{name}.qweight", q.packed)
-        s = self.fconst(f"{name}.scales", q.scales)
-        return self.node("MatMulNBits", [x, b, s], [f"{name}.out"], name, domain=MS,
+        inputs = [x, self.const(f"{name}.qweight", q.packed),
+                  self.fconst(f"{name}.scales", q.scales)]
+        if self.zero_points:  # the implicit symmetric zero point 2**(bits-1), spelled out
+            inputs.append(self.const(f"{name}.zp", symmetric_zero_points(q)))
+        return self.node("MatMulNBits", inputs, [f"{name}.out"], name, domain=MS,
                          K=k, N=n, bits=bits, block_size=self.block_size,
                          accuracy_level=self.accuracy_level)[0]
+
+
+def window_bias(g: GraphBuilder, bias: str, shape: str, window: int) -> str:
+    """`bias` plus -inf where a key lies `window` or more positions behind the query.
+
+    Positions, not buffer slots: tree nodes sit at slots past..past+S-1 but their
+    positions are their depths, so GQA's own slot-based window would cut the wrong keys.
+    Keys in the cache are at positions 0..past-1; the new keys are the queries themselves.
+    """
+    name = f"window{window}"
+    zero, one = g.const("i64.zero", np.array(0, np.int64)), g.const("i64.one",
+                                                                    np.array(1, np.int64))
+    sizes = g.node("Slice", [shape, g.const("i64.two", np.array([2], np.int64)),
+                             g.const("i64.four", np.array([4], np.int64))],
+                   [f"{name}.st"], f"{name}.st")[0]
+    s, t = g.node("Split", [sizes], [f"{name}.s", f"{name}.t"], f"{name}.split", axis=0,
+                  num_outputs=2)
+    past = g.node("Squeeze", [g.node("Sub", [t, s], [f"{name}.p1"], f"{name}.sub")[0]],
+                  [f"{name}.past"], f"{name}.past")[0]
+    cached = g.node("Range", [zero, past, one], [f"{name}.cached"], f"{name}.range")[0]
+    new = g.node("Squeeze", ["position_ids", g.const("i64.axis0", np.array([0], np.int64))],
+                 [f"{name}.new"], f"{name}.new")[0]
+    keys = g.node("Concat", [cached, new], [f"{name}.keys"], f"{name}.keys", axis=0)[0]
+    queries = g.node("Unsqueeze", [new, g.const("i64.axis1", np.array([1], np.int64))],
+                     [f"{name}.q"], f"{name}.q")[0]
+    dist = g.node("Sub", [queries, keys], [f"{name}.dist"], f"{name}.dist")[0]
+    far = g.node("GreaterOrEqual", [dist, g.const(f"{name}.w", np.array(window, np.int64))],
+                 [f"{name}.far"], f"{name}.far")[0]
+    masked = g.node("Where", [far, g.fconst("neg_inf", np.finfo(g.dtype).min), bias],
+                    [f"{name}.bias"], f"{name}.where")[0]
+    return masked
+
+
+def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seqlens_k: str,
+        total: str, rope: list[str], bias: str) -> str:
+    """GroupQueryAttention: RoPE inside, KV written in place into the shared buffer.
+    Sliding windows are in `bias` (see window_bias), not GQA's slot-based window."""
+    attrs = dict(num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, do_rotary=1,
+                 rotary_interleaved=0)
+    if spec.attn_scale:
+        attrs["scale"] = spec.attn_scale
+    if spec.attn_softcap:
+        attrs["softcap"] = spec.attn_softcap
+    return g.node("GroupQueryAttention",
+                  [*qkv, f"past_key_{i}", f"past_value_{i}", seqlens_k, total, *rope,
+                   "position_ids", bias],
+                  [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
+                  domain=MS, **attrs)[0]
+
+
+def mha(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], rope: list[str],
+        bias: str) -> str:
+    """MultiHeadAttention for DirectML, whose GQA cannot verify several tokens against a
+    cache: RoPE as its own op, K/V repeated to every query head, the mask entirely in the
+    bias, and present = past + new (a concatenation, not an in-place write)."""
+    q, k, v = qkv
+    rotary = dict(domain=MS, interleaved=0, rotary_embedding_dim=2 * len(spec.inv_freq))
+    q = g.node("RotaryEmbedding", [q, "position_ids", *rope], [f"{p}.q.rot"], f"{p}.q.rot",
+               num_heads=spec.num_heads, **rotary)[0]
+    k = g.node("RotaryEmbedding", [k, "position_ids", *rope], [f"{p}.k.rot"], f"{p}.k.rot",
+               num_heads=spec.num_kv_heads, **rotary)[0]
+    rep = spec.num_heads // spec.num_kv_heads
+    if rep > 1:
+        grouped = g.const(f"{p}.kv.grouped", np.array([1, -1, spec.num_kv_heads, 1,
+                                                       spec.head_dim], np.int64))
+        expanded = g.const(f"{p}.kv.expand", np.array([1, 1, 1, rep, 1], np.int64))
+        flat = g.const(f"{p}.kv.flat", np.array([1, -1, spec.num_heads * spec.head_dim],
+                                                np.int64))
+        k, v = (g.node("Reshape", [g.node("Expand", [g.node(
+            "Reshape", [t, grouped], [f"{t}.g"], f"{t}.g")[0], expanded], [f"{t}.e"],
+            f"{t}.e")[0], flat], [f"{t}.rep"], f"{t}.rep")[0] for t in (k, v))
+    return g.node("MultiHeadAttention",
+                  [q, k, v, "", "", bias, f"past_key_{i}", f"past_value_{i}"],
+                  [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
+                  domain=MS, num_heads=spec.num_heads, unidirectional=0,
+                  scale=spec.attn_scale or spec.head_dim ** -0.5)[0]
 
 
 def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[LayerWeights],
                   final_norm: np.ndarray, lm_head: np.ndarray, precision: str = "fp32",
                   block_size: int = 32, accuracy_level: int = 0, dtype: type = np.float32,
+                  attention: str = "gqa",
                   on_layer: Callable[[int], None] | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
@@ -99,9 +179,14 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     no speculative trick recovers. Logits and the bias stay float32 at the graph's edge
     whatever the compute dtype, so the runtime's contract does not change.
     """
-    g = GraphBuilder(precision, block_size, accuracy_level, dtype)
+    g = GraphBuilder(precision, block_size, accuracy_level, dtype,
+                     zero_points=attention == "mha")
     s_dim, t_dim = "sequence", "total_sequence"
-    kv_shape = [1, spec.num_kv_heads, "max_length", spec.head_dim]
+    if attention == "gqa":
+        past_shape = present_shape = [1, spec.num_kv_heads, "max_length", spec.head_dim]
+    else:
+        past_shape = [1, spec.num_heads, "past_sequence", spec.head_dim]
+        present_shape = [1, spec.num_heads, t_dim, spec.head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, s_dim]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, s_dim]),
               helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT,
@@ -111,9 +196,9 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", g.onnx_dtype,
-                                                        kv_shape))
+                                                        past_shape))
             outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", g.onnx_dtype,
-                                                         kv_shape))
+                                                         present_shape))
 
     table = embeddings.astype(g.dtype if precision == "fp32" else np.float16)
     x = g.node("Gather", [g.const("embed.weight", table), "input_ids"], ["embed.raw"],
@@ -139,6 +224,13 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                        ["seqlens_k"], "seqlens.reshape")[0]
     cos, sin = rope_cache(spec)
     rope = [g.fconst("cos_cache", cos), g.fconst("sin_cache", sin)]
+    if attention == "mha":  # MHA wants the bias per head: [1, heads, S, T]
+        dims = g.node("Concat", [g.const("bias.heads", np.array([1, spec.num_heads], np.int64)),
+                                 g.node("Slice", [shape, g.const("two", np.array([2], np.int64)),
+                                                  g.const("four", np.array([4], np.int64))],
+                                        ["bias.st"], "bias.st")[0]],
+                      ["bias.dims"], "bias.dims", axis=0)[0]
+        mha_bias = g.node("Expand", [bias, dims], ["attention_bias.h"], "bias.expand")[0]
     eps = spec.rms_norm_eps
     q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
 
@@ -155,6 +247,7 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
         return g.node("Reshape", [y, merged], [f"{name}.out"], f"{name}.merge")[0]
 
     resid, delta = x, None
+    windows: dict[int, str] = {}  # one window bias per distinct window size, shared
     for i, lw in enumerate(layers):
         p = f"layers.{i}"
         if delta is None:
@@ -168,27 +261,25 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
         if lw.qkv_bias is not None:
             qkv = g.node("Add", [qkv, g.fconst(f"{p}.qkv.bias", lw.qkv_bias)], [f"{p}.qkv.b"],
                          f"{p}.qkv.bias")[0]
-        if lw.q_norm is not None:
+        if lw.q_norm is not None or attention == "mha":
             q, k, v = g.node("Split", [qkv, g.const(f"{p}.qkv.sizes", np.array(
                 [q_dim, kv_dim, kv_dim], np.int64))], [f"{p}.q", f"{p}.k", f"{p}.v"],
                 f"{p}.qkv.split", axis=-1)
-            qkv_inputs = [head_norm(q, lw.q_norm, spec.num_heads, f"{p}.qn"),
-                          head_norm(k, lw.k_norm, spec.num_kv_heads, f"{p}.kn"), v]
+            if lw.q_norm is not None:
+                q = head_norm(q, lw.q_norm, spec.num_heads, f"{p}.qn")
+                k = head_norm(k, lw.k_norm, spec.num_kv_heads, f"{p}.kn")
+            qkv_inputs = [q, k, v]
         else:
             qkv_inputs = [qkv, "", ""]
-        attrs = dict(num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, do_rotary=1,
-                     rotary_interleaved=0)
-        if spec.attn_scale:
-            attrs["scale"] = spec.attn_scale
-        if spec.attn_softcap:
-            attrs["softcap"] = spec.attn_softcap
-        if spec.sliding_window and spec.sliding_window[i]:
-            attrs["local_window_size"] = spec.sliding_window[i]
-        attn = g.node("GroupQueryAttention",
-                      [*qkv_inputs, f"past_key_{i}", f"past_value_{i}", seqlens_k, total,
-                       *rope, "position_ids", bias],
-                      [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
-                      domain=MS, **attrs)[0]
+        if attention == "gqa":
+            layer_bias = bias
+            if spec.sliding_window and spec.sliding_window[i]:
+                w = spec.sliding_window[i]
+                windows[w] = windows.get(w) or window_bias(g, bias, shape, w)
+                layer_bias = windows[w]
+            attn = gqa(g, spec, i, p, qkv_inputs, seqlens_k, total, rope, layer_bias)
+        else:
+            attn = mha(g, spec, i, p, qkv_inputs, rope, mha_bias)
         o = g.linear(attn, lw.o, f"{p}.o")
         if lw.attn_out_norm is not None:
             o = rms(o, lw.attn_out_norm, f"{p}.attn_out_norm")

@@ -61,3 +61,16 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     codes = codes.reshape(qw.n, -1, qw.block_size).astype(np.float32) - 2 ** (qw.bits - 1)
     w = codes * qw.scales.reshape(qw.n, -1, 1)
     return w.reshape(qw.n, -1)[:, :qw.k]
+
+
+def symmetric_zero_points(qw: QuantizedWeight) -> np.ndarray:
+    """MatMulNBits' zero-point tensor for symmetric codes: 2**(bits-1) for every block,
+    packed like the codes ([N, ceil(n_blocks * bits / 8)] bytes, low bits first)."""
+    n_blocks = qw.scales.size // qw.n
+    per_byte = 8 // qw.bits
+    zp = np.full((qw.n, -(-n_blocks // per_byte) * per_byte), 2 ** (qw.bits - 1), np.uint8)
+    zp = zp.reshape(qw.n, -1, per_byte)
+    packed = np.zeros(zp.shape[:-1], np.uint8)
+    for i in range(per_byte):
+        packed |= zp[..., i] << (i * qw.bits)
+    return packed.reshape(-1)

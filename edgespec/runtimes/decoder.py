@@ -21,7 +21,11 @@ NEG_INF = np.finfo(np.float32).min
 
 
 class KVCache:
-    """Per-layer key/value buffers and the number of valid positions."""
+    """Per-layer key/value buffers of fixed size, written in place by GQA.
+
+    The same OrtValue is bound as `past_*` and `present_*`; the graph writes the S new
+    entries after `length` and the buffer is never copied.
+    """
 
     def __init__(self, entry: ModelEntry, max_len: int, device: str = "cpu"):
         shape = [1, entry.num_kv_heads, max_len, entry.head_dim]
@@ -48,10 +52,72 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def bind(self, binding: ort.IOBinding) -> None:
+        for i, (k, v) in enumerate(self.buffers):
+            binding.bind_ortvalue_input(f"past_key_{i}", k)
+            binding.bind_ortvalue_input(f"past_value_{i}", v)
+            binding.bind_ortvalue_output(f"present_key_{i}", k)
+            binding.bind_ortvalue_output(f"present_value_{i}", v)
+
+    def before_run(self, binding: ort.IOBinding) -> None:
+        """Nothing to do: the buffers stay bound."""
+
+    def after_run(self, binding: ort.IOBinding, length: int) -> None:
+        self.length = length
+
+
+class ConcatKVCache(KVCache):
+    """The DirectML layout: present = concat(past, new), one tensor per step.
+
+    Costs a copy of the cache per step (DirectML's attention offers nothing better);
+    rolling back slices the stored tensors down to `length` before the next run.
+    """
+
+    def __init__(self, entry: ModelEntry, max_len: int, device: str = "cpu"):
+        self.device = "cpu" if device == "cpu" else device
+        self.dtype = np.dtype(entry.kv_dtype)
+        self.shape = [1, entry.num_heads, 0, entry.head_dim]
+        self.layers = entry.num_layers
+        self.max_len = max_len
+        self.reset()
+
+    def reset(self) -> None:
+        self.length = 0
+        empty = np.zeros(self.shape, self.dtype)
+        self.values = [(ort.OrtValue.ortvalue_from_numpy(empty),
+                        ort.OrtValue.ortvalue_from_numpy(empty)) for _ in range(self.layers)]
+
+    def bind(self, binding: ort.IOBinding) -> None:
+        self.before_run(binding)
+
+    def before_run(self, binding: ort.IOBinding) -> None:
+        stored = self.values[0][0].shape()[2]
+        for i, (k, v) in enumerate(self.values):
+            if stored > self.length:
+                k, v = (ort.OrtValue.ortvalue_from_numpy(
+                    np.ascontiguousarray(t.numpy()[:, :, :self.length])) for t in (k, v))
+                self.values[i] = (k, v)
+            binding.bind_ortvalue_input(f"past_key_{i}", k)
+            binding.bind_ortvalue_input(f"past_value_{i}", v)
+            binding.bind_output(f"present_key_{i}", self.device)
+            binding.bind_output(f"present_value_{i}", self.device)
+
+    def after_run(self, binding: ort.IOBinding, length: int) -> None:
+        outputs = binding.get_outputs()[1:]  # logits first, then the presents in order
+        self.values = [(outputs[2 * i], outputs[2 * i + 1]) for i in range(self.layers)]
+        self.length = length
+
 
 def causal_bias(past: int, s: int) -> np.ndarray:
-    """The bias for a plain left-to-right chunk: GQA's own causal mask does the work."""
-    return np.zeros((1, 1, s, past + s), dtype=np.float32)
+    """The bias of a left-to-right chunk: token i sees the past and new tokens 0..i.
+
+    The bias carries the whole mask: GQA also masks causally by itself (harmlessly
+    twice), MultiHeadAttention relies on it alone.
+    """
+    bias = np.zeros((1, 1, s, past + s), dtype=np.float32)
+    rows, cols = np.triu_indices(s, 1)
+    bias[0, 0, rows, past + cols] = NEG_INF
+    return bias
 
 
 class DecoderSession:
@@ -71,14 +137,11 @@ class DecoderSession:
         self.device = check_session(self.session, device, providers)
         self.entry = entry
         self.max_len = min(max_len or entry.max_positions, entry.max_positions)
-        self.cache = KVCache(entry, self.max_len, self.device)
+        layout = ConcatKVCache if entry.kv_layout == "mha-concat" else KVCache
+        self.cache = layout(entry, self.max_len, self.device)
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits", "cpu")  # first, so it is get_outputs()[0]
-        for i, (k, v) in enumerate(self.cache.buffers):
-            self.binding.bind_ortvalue_input(f"past_key_{i}", k)
-            self.binding.bind_ortvalue_input(f"past_value_{i}", v)
-            self.binding.bind_ortvalue_output(f"present_key_{i}", k)
-            self.binding.bind_ortvalue_output(f"present_value_{i}", v)
+        self.cache.bind(self.binding)
 
     def forward(self, ids: list[int] | np.ndarray, positions: np.ndarray | None = None,
                 bias: np.ndarray | None = None) -> np.ndarray:
@@ -102,6 +165,7 @@ class DecoderSession:
                                     np.asarray(positions, dtype=np.int64).reshape(1, -1))
         self.binding.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))
         self.binding.bind_output("logits", "cpu")  # fresh: its shape follows S
+        self.cache.before_run(self.binding)
         self.session.run_with_iobinding(self.binding)
-        self.cache.length = past + s
+        self.cache.after_run(self.binding, past + s)
         return self.binding.get_outputs()[0].numpy()[0]
