@@ -56,17 +56,20 @@ def cli() -> None:
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               show_default=True,
               help="Quantized matmuls: 4 = int8 activations (fast on CPU), 0 = fp32.")
+@click.option("--quant", type=click.Choice(["sym", "asym"]), default="sym", show_default=True,
+              help="int4/int2 blocks: symmetric, or with a zero point each.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow downloading model code files.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
 def export(target: str, draft: str | None, out: Path, precision: str,
            draft_precision: str | None, block_size: str, ep_profile: str, accuracy_level: str,
-           trust_remote_code: bool, overwrite: bool) -> None:
+           quant: str, trust_remote_code: bool, overwrite: bool) -> None:
     """Export a Hugging Face TARGET (directory or Hub id) and a draft into a bundle."""
     from edgespec.export import export as run_export
 
     run_export(target, out, draft=draft, precision=precision,
                draft_precision=draft_precision, block_size=int(block_size),
-               ep_profile=ep_profile, accuracy_level=int(accuracy_level), overwrite=overwrite,
+               ep_profile=ep_profile, accuracy_level=int(accuracy_level),
+               symmetric=quant == "sym", overwrite=overwrite,
                trust_remote_code=trust_remote_code, console=err)
 
 

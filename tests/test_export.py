@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 
@@ -146,8 +147,10 @@ def test_cache_trim_rolls_back(fp32_bundle, demo_target):
 def test_export_errors(tmp_path, demo_target):
     with pytest.raises(EdgespecError, match="neither an existing directory nor a Hub id"):
         export("./missing/dir", tmp_path / "b")
-    with pytest.raises(EdgespecError, match="cannot be exported yet"):
+    with pytest.raises(EdgespecError, match="'webgpu' is not one of cpu, cuda, dml"):
         export(demo_target, tmp_path / "b", ep_profile="webgpu")
+    with pytest.raises(EdgespecError, match="dml profile supports fp32, fp16 and int4"):
+        export(demo_target, tmp_path / "b", ep_profile="dml", precision="int8")
     (tmp_path / "empty").mkdir()
     with pytest.raises(EdgespecError, match="has no config.json"):
         export(tmp_path / "empty", tmp_path / "b")
@@ -174,3 +177,21 @@ def test_mismatched_draft_vocabulary_is_refused(tmp_path, demo_target):
     with pytest.raises(EdgespecError, match="draft's tokenizer differs.*id 300"):
         export(demo_target, tmp_path / "b", draft=draft)
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
+                                     KeyboardInterrupt()])
+def test_interrupted_export_leaves_nothing(tmp_path, demo_target, monkeypatch, failure):
+    """The disk fills up (or the user presses Ctrl-C) while the weights are written."""
+    import edgespec.export as exporter
+
+    def broken_save(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(exporter.onnx, "save_model", broken_save)
+    expected = EdgespecError if isinstance(failure, OSError) else KeyboardInterrupt
+    with pytest.raises(expected) as info:
+        export(demo_target, tmp_path / "out" / "b")
+    if expected is EdgespecError:
+        assert "No space left on device" in str(info.value)
+    assert list((tmp_path / "out").iterdir()) == []

@@ -7,33 +7,48 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgespec.quant import dequantize, quantize_blockwise
+from edgespec.quant import QuantizedWeight, dequantize, quantize_blockwise
 
 
-def run_matmulnbits(x: np.ndarray, w: np.ndarray, bits: int, block: int) -> np.ndarray:
-    q = quantize_blockwise(w, bits, block)
-    node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft",
-                            K=q.k, N=q.n, bits=bits, block_size=block, accuracy_level=0)
+def run_matmulnbits(x: np.ndarray, q: QuantizedWeight, zero_points: bool) -> np.ndarray:
+    inits = [numpy_helper.from_array(q.packed, "b"), numpy_helper.from_array(q.scales, "s")]
+    if zero_points:
+        inits.append(numpy_helper.from_array(q.packed_zero_points(), "z"))
+    node = helper.make_node("MatMulNBits", ["x", "b", "s"] + ["z"] * zero_points, ["y"],
+                            domain="com.microsoft", K=q.k, N=q.n, bits=q.bits,
+                            block_size=q.block_size, accuracy_level=0)
     graph = helper.make_graph(
         [node], "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        initializer=[numpy_helper.from_array(q.packed, "b"),
-                     numpy_helper.from_array(q.scales, "s")])
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("com.microsoft", 1)])
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x})[0]
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits,symmetric,explicit_zp", [
+    (2, True, False), (4, True, False), (8, True, False),  # implicit zero point
+    (2, False, True), (4, False, True),  # asymmetric: zero points stored
+    (4, True, True),  # symmetric with the zero points spelled out (the dml profile)
+])
 @pytest.mark.parametrize("block", [16, 32, 128])
 @pytest.mark.parametrize("k", [64, 80])  # 80: K not a multiple of the block, padded
-def test_matmulnbits_computes_with_our_dequantized_weight(bits, block, k):
+def test_matmulnbits_computes_with_our_dequantized_weight(bits, symmetric, explicit_zp, block,
+                                                          k):
     rng = np.random.default_rng(bits * 1000 + block + k)
-    w = rng.normal(size=(24, k)).astype(np.float32)
+    w = rng.normal(size=(24, k)).astype(np.float32) + 0.5  # lopsided blocks
     x = rng.normal(size=(3, k)).astype(np.float32)
-    ref = x @ dequantize(quantize_blockwise(w, bits, block)).T
-    np.testing.assert_allclose(run_matmulnbits(x, w, bits, block), ref, rtol=1e-4, atol=1e-4)
+    q = quantize_blockwise(w, bits, block, symmetric)
+    ref = x @ dequantize(q).T
+    np.testing.assert_allclose(run_matmulnbits(x, q, explicit_zp), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_asymmetric_beats_symmetric_on_lopsided_weights(bits):
+    w = np.random.default_rng(bits).uniform(0.0, 1.0, size=(32, 128)).astype(np.float32)
+    err = {sym: np.abs(dequantize(quantize_blockwise(w, bits, 32, sym)) - w).mean()
+           for sym in (True, False)}
+    assert err[False] < 0.75 * err[True]
 
 
 @pytest.mark.parametrize("bits,max_rel", [(8, 1 / 127), (4, 1 / 7), (2, 1.0)])

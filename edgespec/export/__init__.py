@@ -62,7 +62,8 @@ def check_same_vocab(target: Path, draft: Path) -> None:
 
 
 def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_size: int,
-                  accuracy_level: int, ep_profile: str, progress: Progress) -> ModelEntry:
+                  accuracy_level: int, ep_profile: str, symmetric: bool,
+                  progress: Progress) -> ModelEntry:
     task = progress.add_task(f"{role}: loading {ckpt_dir.name}", total=None)
     adapter = adapter_for(load_checkpoint(ckpt_dir))
     spec = adapter.spec
@@ -77,6 +78,7 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
     model = build_decoder(spec, adapter.embeddings(), adapter.layers(), adapter.final_norm(),
                           adapter.lm_head(), precision, block_size, accuracy_level,
                           dtype=PROFILE_DTYPE[ep_profile], attention=attention,
+                          symmetric=symmetric,
                           on_layer=lambda i: progress.advance(task))
     progress.update(task, description=f"{role}: writing {role}.onnx")
     onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
@@ -95,7 +97,8 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
 
 def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
            precision: str = "int8", draft_precision: str | None = None, block_size: int = 32,
-           ep_profile: str = "cpu", accuracy_level: int = 4, overwrite: bool = False,
+           ep_profile: str = "cpu", accuracy_level: int = 4, symmetric: bool = True,
+           overwrite: bool = False,
            trust_remote_code: bool = False, console: Console | None = None) -> Manifest:
     """Export a target (and optionally a draft) checkpoint into a bundle at `out`.
 
@@ -103,6 +106,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     activations to int8 blockwise on the CPU: measured on the demo target, 1.3 ms per
     step against 25 ms with 0, which keeps activations in fp32 but has no fast 8-bit
     kernel. Losslessness is unaffected: speculation is exact w.r.t. the graph that runs.
+    `symmetric=False` gives int4/int2 blocks a zero point of their own (int8 stays
+    symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points).
     """
     console = console or Console(stderr=True)
     draft_precision = draft_precision or precision
@@ -140,26 +145,31 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
 
     columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
-    with write_bundle(out, overwrite) as (tmp, finish), Progress(*columns, console=console,
-                                                                 transient=True) as progress:
-        target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
-                                     accuracy_level, ep_profile, progress)
-        draft_entry = (_export_model(draft_dir, "draft", tmp, draft_precision, block_size,
-                                     accuracy_level, ep_profile, progress) if draft_dir else None)
-        tok_files = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
-        for f in tok_files:
-            shutil.copy2(target_dir / f, tmp / f)
-        manifest = finish(Manifest(
-            target=target_entry, draft=draft_entry, ep_profile=ep_profile,
-            tokenizer_files=tok_files, eos_token_ids=eos_ids,
-            bos_token_id=gen_cfg.get("bos_token_id", config.get("bos_token_id")),
-            provenance={"edgespec": __version__, "onnx": onnx.__version__,
-                        "onnxruntime": onnxruntime.__version__,
-                        "python": platform.python_version(),
-                        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                        "target": str(target), "draft": str(draft) if draft else None,
-                        "accuracy_level": accuracy_level}))
-        sizes = {name: (tmp / name).stat().st_size for name in manifest.files}
+    try:
+        with write_bundle(out, overwrite) as (tmp, finish), Progress(
+                *columns, console=console, transient=True) as progress:
+            target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
+                                         accuracy_level, ep_profile, symmetric, progress)
+            draft_entry = (_export_model(draft_dir, "draft", tmp, draft_precision, block_size,
+                                         accuracy_level, ep_profile, symmetric, progress)
+                           if draft_dir else None)
+            tok_files = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
+            for f in tok_files:
+                shutil.copy2(target_dir / f, tmp / f)
+            manifest = finish(Manifest(
+                target=target_entry, draft=draft_entry, ep_profile=ep_profile,
+                tokenizer_files=tok_files, eos_token_ids=eos_ids,
+                bos_token_id=gen_cfg.get("bos_token_id", config.get("bos_token_id")),
+                provenance={"edgespec": __version__, "onnx": onnx.__version__,
+                            "onnxruntime": onnxruntime.__version__,
+                            "python": platform.python_version(),
+                            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                            "target": str(target), "draft": str(draft) if draft else None,
+                            "accuracy_level": accuracy_level, "symmetric": symmetric}))
+            sizes = {name: (tmp / name).stat().st_size for name in manifest.files}
+    except OSError as e:  # disk full, permissions, a vanished directory
+        raise EdgespecError(f"could not write the bundle {out} ({e.strerror or e}); nothing "
+                            "was left behind, free space or choose another --out.") from None
     _summary(console, manifest, sizes, time.time() - start, Path(out))
     return manifest
 

@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgespec.export.architectures import DecoderSpec, LayerWeights
-from edgespec.quant.blockwise import quantize_blockwise, symmetric_zero_points
+from edgespec.quant.blockwise import quantize_blockwise
 
 OPSET = 21
 MS = "com.microsoft"
@@ -44,8 +44,10 @@ class GraphBuilder:
     """
 
     def __init__(self, precision: str, block_size: int, accuracy_level: int,
-                 dtype: type = np.float32, zero_points: bool = False):
+                 dtype: type = np.float32, zero_points: bool = False,
+                 symmetric: bool = True):
         self.zero_points = zero_points  # DirectML's MatMulNBits wants all four inputs
+        self.symmetric = symmetric
         self.precision = precision
         self.block_size = block_size
         self.accuracy_level = accuracy_level
@@ -80,11 +82,12 @@ class GraphBuilder:
                 w = self.node("Cast", [w], [f"{name}.weight.c"], f"{name}.upcast",
                               to=self.onnx_dtype)[0]
             return self.node("MatMul", [x, w], [f"{name}.out"], name)[0]
-        q = quantize_blockwise(weight, bits, self.block_size)
+        # 8-bit codes stay symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points
+        q = quantize_blockwise(weight, bits, self.block_size, self.symmetric or bits == 8)
         inputs = [x, self.const(f"{name}.qweight", q.packed),
                   self.fconst(f"{name}.scales", q.scales)]
-        if self.zero_points:  # the implicit symmetric zero point 2**(bits-1), spelled out
-            inputs.append(self.const(f"{name}.zp", symmetric_zero_points(q)))
+        if self.zero_points or not q.symmetric:
+            inputs.append(self.const(f"{name}.zp", q.packed_zero_points()))
         return self.node("MatMulNBits", inputs, [f"{name}.out"], name, domain=MS,
                          K=k, N=n, bits=bits, block_size=self.block_size,
                          accuracy_level=self.accuracy_level)[0]
@@ -169,7 +172,7 @@ def mha(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], rope
 def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[LayerWeights],
                   final_norm: np.ndarray, lm_head: np.ndarray, precision: str = "fp32",
                   block_size: int = 32, accuracy_level: int = 0, dtype: type = np.float32,
-                  attention: str = "gqa",
+                  attention: str = "gqa", symmetric: bool = True,
                   on_layer: Callable[[int], None] | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
@@ -180,7 +183,7 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     whatever the compute dtype, so the runtime's contract does not change.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
-                     zero_points=attention == "mha")
+                     zero_points=attention == "mha", symmetric=symmetric)
     s_dim, t_dim = "sequence", "total_sequence"
     if attention == "gqa":
         past_shape = present_shape = [1, spec.num_kv_heads, "max_length", spec.head_dim]

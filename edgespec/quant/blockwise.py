@@ -1,11 +1,17 @@
-"""Blockwise symmetric quantization of a linear layer's weight for MatMulNBits.
+"""Blockwise integer quantization of a linear layer's weight for MatMulNBits.
 
 A weight W of shape [N, K] (out, in; the Hugging Face layout) is cut along K into blocks
-of `block_size`; each block gets one scale s = max|w| / qmax and codes
-q = clamp(round(w / s), -qmax - 1, qmax). MatMulNBits stores codes unsigned with an
-implicit zero point of 2**(bits-1) (so no zero-point tensor is needed for symmetric
-codes), `8 // bits` codes per byte, lowest bits first, in a [N, K/block, block*bits/8]
-array, and scales as [N * K/block].
+of `block_size`; each block gets one scale s and one zero point z, and every weight the
+unsigned code u = clamp(round(w / s) + z, 0, 2**bits - 1), so that w ≈ (u - z) · s.
+
+- symmetric: s = max|w| / (2**(bits-1) - 1), z = 2**(bits-1), which is MatMulNBits'
+  implicit zero point, so no zero-point tensor is stored (except where an EP insists).
+- asymmetric: s = (max - min) / (2**bits - 1), z = round(-min / s): the whole code range
+  covers [min, max], worth about one bit at 2-4 bits when blocks are lopsided.
+
+MatMulNBits packs `8 // bits` codes per byte, lowest bits first, as [N, K/block,
+block*bits/8]; scales as [N * K/block]; zero points packed the same way per row,
+[N * ceil(K/block * bits / 8)].
 """
 
 from __future__ import annotations
@@ -19,58 +25,65 @@ import numpy as np
 class QuantizedWeight:
     packed: np.ndarray  # uint8 [N, n_blocks, block_size * bits // 8]
     scales: np.ndarray  # float32 [N * n_blocks]
+    zero_points: np.ndarray  # uint8 [N, n_blocks], one unpacked zero point per block
     bits: int
     block_size: int
     n: int
     k: int
+    symmetric: bool = True
+
+    def packed_zero_points(self) -> np.ndarray:
+        """The zero points as MatMulNBits' optional input reads them."""
+        return pack_rows(self.zero_points, self.bits).reshape(-1)
 
 
-def _codes(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
-    n, k = w.shape
-    pad = (-k) % block_size
-    blocks = np.pad(w.astype(np.float32), ((0, 0), (0, pad))).reshape(n, -1, block_size)
-    qmax = 2 ** (bits - 1) - 1
-    scales = np.abs(blocks).max(axis=-1, keepdims=True) / qmax
-    scales[scales == 0] = 1.0
-    q = np.clip(np.rint(blocks / scales), -qmax - 1, qmax).astype(np.int16)
-    return q, scales[..., 0]
+def pack_rows(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Pack unsigned codes along the last axis, `8 // bits` per byte, low bits first."""
+    per_byte = 8 // bits
+    pad = (-codes.shape[-1]) % per_byte
+    codes = np.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, pad)], constant_values=0)
+    codes = codes.reshape(*codes.shape[:-1], -1, per_byte).astype(np.uint8)
+    packed = np.zeros(codes.shape[:-1], dtype=np.uint8)
+    for i in range(per_byte):
+        packed |= codes[..., i] << (i * bits)
+    return packed
 
 
-def quantize_blockwise(w: np.ndarray, bits: int = 8, block_size: int = 32) -> QuantizedWeight:
+def unpack_rows(packed: np.ndarray, bits: int) -> np.ndarray:
+    mask = (1 << bits) - 1
+    parts = [(packed >> (i * bits)) & mask for i in range(8 // bits)]
+    return np.stack(parts, axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def quantize_blockwise(w: np.ndarray, bits: int = 8, block_size: int = 32,
+                       symmetric: bool = True) -> QuantizedWeight:
     """Quantize a [N, K] weight; K is zero-padded up to a whole number of blocks."""
     if bits not in (2, 4, 8):
         raise ValueError(f"MatMulNBits supports 2, 4 or 8 bits, not {bits}")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block size must be a power of two >= 16, not {block_size}")
     n, k = w.shape
-    q, scales = _codes(w, bits, block_size)
-    u = (q + 2 ** (bits - 1)).astype(np.uint8)  # implicit zero point 2**(bits-1)
-    per_byte = 8 // bits
-    u = u.reshape(n, u.shape[1], block_size // per_byte, per_byte)
-    packed = np.zeros(u.shape[:-1], dtype=np.uint8)
-    for i in range(per_byte):
-        packed |= u[..., i] << (i * bits)
-    return QuantizedWeight(packed, scales.reshape(-1).astype(np.float32), bits, block_size, n, k)
+    blocks = np.pad(w.astype(np.float32), ((0, 0), (0, (-k) % block_size)))
+    blocks = blocks.reshape(n, -1, block_size)
+    top = 2 ** bits - 1
+    if symmetric:
+        scales = np.abs(blocks).max(axis=-1) / (2 ** (bits - 1) - 1)
+        zero = np.full(scales.shape, 2 ** (bits - 1), dtype=np.int32)
+    else:
+        lo = np.minimum(blocks.min(axis=-1), 0.0)  # keep 0 exactly representable
+        hi = np.maximum(blocks.max(axis=-1), 0.0)
+        scales = (hi - lo) / top
+        zero = np.clip(np.rint(-lo / np.where(scales == 0, 1.0, scales)), 0, top).astype(
+            np.int32)
+    scales[scales == 0] = 1.0
+    codes = np.clip(np.rint(blocks / scales[..., None]) + zero[..., None], 0, top)
+    return QuantizedWeight(pack_rows(codes.astype(np.uint8), bits),
+                           scales.reshape(-1).astype(np.float32), zero.astype(np.uint8), bits,
+                           block_size, n, k, symmetric)
 
 
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
     """The [N, K] float32 weight that MatMulNBits computes with (the numpy reference)."""
-    per_byte = 8 // qw.bits
-    mask = (1 << qw.bits) - 1
-    codes = np.stack([(qw.packed >> (i * qw.bits)) & mask for i in range(per_byte)], axis=-1)
-    codes = codes.reshape(qw.n, -1, qw.block_size).astype(np.float32) - 2 ** (qw.bits - 1)
-    w = codes * qw.scales.reshape(qw.n, -1, 1)
+    codes = unpack_rows(qw.packed, qw.bits).reshape(qw.n, -1, qw.block_size)
+    w = (codes.astype(np.float32) - qw.zero_points[..., None]) * qw.scales.reshape(qw.n, -1, 1)
     return w.reshape(qw.n, -1)[:, :qw.k]
-
-
-def symmetric_zero_points(qw: QuantizedWeight) -> np.ndarray:
-    """MatMulNBits' zero-point tensor for symmetric codes: 2**(bits-1) for every block,
-    packed like the codes ([N, ceil(n_blocks * bits / 8)] bytes, low bits first)."""
-    n_blocks = qw.scales.size // qw.n
-    per_byte = 8 // qw.bits
-    zp = np.full((qw.n, -(-n_blocks // per_byte) * per_byte), 2 ** (qw.bits - 1), np.uint8)
-    zp = zp.reshape(qw.n, -1, per_byte)
-    packed = np.zeros(zp.shape[:-1], np.uint8)
-    for i in range(per_byte):
-        packed |= zp[..., i] << (i * qw.bits)
-    return packed.reshape(-1)
