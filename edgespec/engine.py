@@ -32,6 +32,7 @@ from edgespec.spec import (
 from edgespec.tokenizer import Tokenizer
 
 MODES = ("ar", "spec", "lookup")
+DEFAULT_CONTEXT = 8192  # 128k-context models would otherwise reserve gigabytes of KV
 
 
 def demo_bundle() -> Path:
@@ -96,14 +97,19 @@ class Engine:
     """A loaded bundle, ready to generate. Not thread-safe: one generation at a time."""
 
     def __init__(self, path: Path | str | None = None, device: str = "auto",
-                 providers: list[str] | None = None, verify: bool = True, threads: int = 0):
+                 providers: list[str] | None = None, verify: bool = True, threads: int = 0,
+                 context: int | None = None):
+        """`context` caps the tokens a conversation may hold (default: the model's own
+        limit, at most DEFAULT_CONTEXT): the KV cache is allocated for it up front."""
+        if context is not None and context < 2:
+            raise EdgespecError("context must be at least 2 tokens.")
         self.path = Path(path) if path is not None else demo_bundle()
         self.manifest = read_manifest(self.path, verify=verify)
         self.tokenizer = Tokenizer.from_dir(self.path)
         providers = providers or resolve_providers(device)
         m = self.manifest
         self.target = DecoderSession(self.path / m.target.graph, m.target, providers, device,
-                                     threads=threads)
+                                     max_len=context or DEFAULT_CONTEXT, threads=threads)
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, providers, device,
                                      max_len=self.target.max_len, threads=threads)
                       if m.draft else None)
@@ -206,6 +212,6 @@ class Engine:
 
 
 def load(path: Path | str | None = None, providers: list[str] | None = None,
-         device: str = "auto", verify: bool = True) -> Engine:
+         device: str = "auto", verify: bool = True, context: int | None = None) -> Engine:
     """Open a bundle (the embedded demo when `path` is None)."""
-    return Engine(path, device=device, providers=providers, verify=verify)
+    return Engine(path, device=device, providers=providers, verify=verify, context=context)
