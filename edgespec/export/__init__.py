@@ -72,7 +72,7 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
         raise EdgespecError(f"{ckpt_dir}: the dml profile cannot express attention "
                             "soft-capping or sliding windows yet; export with --ep-profile "
                             "cpu or cuda.")
-    params = sum(int(t.size) for t in adapter.ckpt.tensors.values())
+    params = adapter.ckpt.num_params()
     progress.update(task, total=spec.num_layers + 1, completed=0,
                     description=f"{role}: building {precision} graph")
     model = build_decoder(spec, adapter.embeddings(), adapter.layers(), adapter.final_norm(),

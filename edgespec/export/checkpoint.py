@@ -43,6 +43,26 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+BNB_4BIT_STATE = ("quant_state.bitsandbytes__nf4", "quant_state.bitsandbytes__fp4")
+
+
+def _bnb_4bit(path: Path, tensors: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """Dequantize one bitsandbytes NF4/FP4 weight with bitsandbytes itself: the format
+    (double-quantized absmax, quant maps, a JSON state) is bitsandbytes' to define."""
+    try:
+        import torch
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+    except ImportError:
+        raise EdgespecError(f"{path} holds bitsandbytes 4-bit weights; install the bnb extra "
+                            "(pip install 'edgespec[export,bnb]') to import them.") from None
+    prefix = name + "."
+    state = {k[len(prefix):]: torch.from_numpy(np.array(v)) for k, v in tensors.items()
+             if k.startswith(prefix)}
+    quant_state = QuantState.from_dict(state, device=torch.device("cpu"))
+    weight = torch.from_numpy(np.array(tensors[name]))
+    return dequantize_4bit(weight, quant_state).float().numpy()
+
+
 @dataclass
 class Checkpoint:
     path: Path
@@ -50,14 +70,39 @@ class Checkpoint:
     tensors: dict[str, np.ndarray]
 
     def get(self, name: str) -> np.ndarray:
-        """A tensor as float32 (the exporter's working precision)."""
+        """A tensor as float32 (the exporter's working precision).
+
+        bitsandbytes checkpoints are dequantized here (NF4/FP4 through bitsandbytes,
+        LLM.int8 rows as int8 * SCB / 127), so everything downstream sees plain weights;
+        the export then requantizes them, stacking its own rounding on bitsandbytes'.
+        """
         if name not in self.tensors:
             raise EdgespecError(f"{self.path}: the checkpoint has no tensor '{name}'; "
                                 "is it complete and of the architecture its config names?")
+        if any(f"{name}.{key}" in self.tensors for key in BNB_4BIT_STATE):
+            return _bnb_4bit(self.path, self.tensors, name)
+        scb = name.removesuffix(".weight") + ".SCB"
+        if self.tensors[name].dtype == np.int8 and scb in self.tensors:
+            return (self.tensors[name].astype(np.float32)
+                    * (np.asarray(self.tensors[scb], np.float32)[:, None] / 127.0))
         return np.asarray(self.tensors[name], dtype=np.float32)
 
     def has(self, name: str) -> bool:
         return name in self.tensors
+
+    def num_params(self) -> int:
+        """Parameters of the model (not of bitsandbytes' bookkeeping tensors)."""
+        total = 0
+        for name, t in self.tensors.items():
+            state = next((self.tensors[f"{name}.{k}"] for k in BNB_4BIT_STATE
+                          if f"{name}.{k}" in self.tensors), None)
+            if state is not None:
+                total += int(np.prod(json.loads(bytes(np.asarray(state)))["shape"]))
+            elif not name.endswith((".SCB", ".weight_format", ".absmax", ".quant_map",
+                                    ".nested_absmax", ".nested_quant_map")) and \
+                    ".quant_state." not in name:
+                total += int(t.size)
+        return total
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
