@@ -86,12 +86,14 @@ def export(target: str, draft: str | None, out: Path, precision: str,
 @click.option("--seed", type=int, help="Seed for sampling.")
 @mode_option
 @click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 64),
-              help="Tokens drafted per target pass.")
+              help="Tokens drafted per target pass (chains).")
+@click.option("--tree-budget", default=0, show_default=True, type=click.IntRange(0, 1024),
+              help="Spec mode: verify a draft token tree of this many nodes (0: a chain).")
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, seed: int | None, mode: str, draft_tokens: int,
-             device: str, as_json: bool) -> None:
+             tree_budget: int, device: str, as_json: bool) -> None:
     """Continue PROMPT (or stdin) with the model."""
     from edgespec.engine import GenerationConfig, load
 
@@ -102,7 +104,7 @@ def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temper
     engine = load(model, device=device)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, mode=mode,
-                              draft_tokens=draft_tokens)
+                              draft_tokens=draft_tokens, tree_budget=tree_budget)
     if as_json:
         click.echo(json.dumps(engine.generate(prompt, config).to_dict()))
         return

@@ -26,8 +26,10 @@ from edgespec.spec import (
     LookupDrafter,
     ModelDrafter,
     SamplingParams,
+    TreeDrafter,
     ar_decode,
     chain_decode,
+    tree_decode,
 )
 from edgespec.tokenizer import Tokenizer
 
@@ -49,6 +51,9 @@ class GenerationConfig:
     seed: int | None = None
     mode: str = "spec"
     draft_tokens: int = 4  # γ, the chain length per target pass
+    tree_budget: int = 0  # > 0: spec mode drafts a token tree of this many nodes instead
+    tree_depth: int = 4
+    tree_top_k: int = 3
 
     def validate(self, has_draft: bool) -> None:
         if self.mode not in MODES:
@@ -60,7 +65,10 @@ class GenerationConfig:
                   (self.temperature >= 0, "temperature must be >= 0"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
                   (self.top_k >= 0, "top_k must be >= 0"),
-                  (1 <= self.draft_tokens <= 64, "draft_tokens must be between 1 and 64")]
+                  (1 <= self.draft_tokens <= 64, "draft_tokens must be between 1 and 64"),
+                  (0 <= self.tree_budget <= 1024, "tree_budget must be between 0 and 1024"),
+                  (1 <= self.tree_depth <= 32, "tree_depth must be between 1 and 32"),
+                  (1 <= self.tree_top_k <= 32, "tree_top_k must be between 1 and 32")]
         for ok, message in checks:
             if not ok:
                 raise EdgespecError(f"{message}.")
@@ -164,6 +172,10 @@ class Engine:
         budget = min(config.max_new_tokens, self.context_length - len(ids))
         if config.mode == "ar":
             steps = ar_decode(self.target, ids, config.sampling, rng, stats)
+        elif config.mode == "spec" and config.tree_budget:
+            drafter = TreeDrafter(self.draft, config.tree_top_k, config.tree_depth)
+            steps = tree_decode(self.target, drafter, ids, config.sampling, config.tree_budget,
+                                rng, stats)
         else:
             drafter = (ModelDrafter(self.draft) if config.mode == "spec"
                        else LookupDrafter(self.manifest.target.vocab_size))

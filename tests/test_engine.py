@@ -25,22 +25,33 @@ PROMPTS = [
 CHAT = [{"role": "user", "content": "Write a Python function `flatten`: Flatten a list."}]
 
 
+DRAFTERS = {
+    "chain1": dict(mode="spec", draft_tokens=1),
+    "chain3": dict(mode="spec", draft_tokens=3),
+    "chain6": dict(mode="spec", draft_tokens=6),
+    "tree8": dict(mode="spec", tree_budget=8, tree_depth=4, tree_top_k=2),
+    "tree24": dict(mode="spec", tree_budget=24, tree_depth=6, tree_top_k=4),
+    "lookup": dict(mode="lookup", draft_tokens=4),
+}
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
-@pytest.mark.parametrize("mode,gamma", [("spec", 1), ("spec", 3), ("spec", 6), ("lookup", 4)])
-def test_greedy_spec_equals_greedy_ar(engine, prompt, mode, gamma):
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_greedy_spec_equals_greedy_ar(engine, prompt, drafter):
     ar = engine.generate(prompt, max_new_tokens=48, mode="ar")
-    spec = engine.generate(prompt, max_new_tokens=48, mode=mode, draft_tokens=gamma)
+    spec = engine.generate(prompt, max_new_tokens=48, **DRAFTERS[drafter])
     assert spec.token_ids == ar.token_ids
     assert spec.text == ar.text
     assert spec.finish_reason == ar.finish_reason
-    if mode == "spec":
+    if drafter != "lookup":
         assert spec.stats.target_passes < ar.stats.target_passes
 
 
-def test_greedy_spec_equals_ar_through_eos(engine):
+@pytest.mark.parametrize("drafter", ["chain3", "tree24"])
+def test_greedy_spec_equals_ar_through_eos(engine, drafter):
     ids = engine.tokenizer.encode_chat(CHAT)
     ar = engine.generate(ids, max_new_tokens=200, mode="ar")
-    spec = engine.generate(ids, max_new_tokens=200, mode="spec")
+    spec = engine.generate(ids, max_new_tokens=200, **DRAFTERS[drafter])
     assert spec.token_ids == ar.token_ids
     assert ar.finish_reason == spec.finish_reason
 
@@ -63,20 +74,21 @@ def test_ar_matches_transformers_greedy(fp32_bundle, demo_target):
         assert got.token_ids == want[:eos]
 
 
-def test_sampling_spec_matches_ar_distribution(engine):
+@pytest.mark.parametrize("drafter", ["chain3", "tree8"])
+def test_sampling_spec_matches_ar_distribution(engine, drafter):
     """Two-sample chi-square on the first two tokens with top-k 3 (≤ 9 outcomes)."""
     from scipy.stats import chi2_contingency
 
-    def outcomes(mode):
+    def outcomes(kwargs):
         counts: dict[tuple, int] = {}
         for seed in range(500):
-            r = engine.generate("def main(", max_new_tokens=2, mode=mode, temperature=1.0,
-                                top_k=3, seed=seed)
+            r = engine.generate("def main(", max_new_tokens=2, temperature=1.0, top_k=3,
+                                seed=seed, **kwargs)
             key = tuple(r.token_ids)
             counts[key] = counts.get(key, 0) + 1
         return counts
 
-    ar, spec = outcomes("ar"), outcomes("spec")
+    ar, spec = outcomes({"mode": "ar"}), outcomes(DRAFTERS[drafter])
     keys = sorted(set(ar) | set(spec))
     table = np.array([[ar.get(k, 0) for k in keys], [spec.get(k, 0) for k in keys]])
     table = table[:, table.sum(0) >= 10]
@@ -131,8 +143,8 @@ def test_prompt_longer_than_context(engine):
 
 def test_generation_stops_at_context(engine):
     n = engine.context_length - 10
-    for mode in ("ar", "spec"):
-        r = engine.generate([7] * n, max_new_tokens=100, mode=mode)
+    for kwargs in ({"mode": "ar"}, DRAFTERS["chain6"], DRAFTERS["tree24"]):
+        r = engine.generate([7] * n, max_new_tokens=100, **kwargs)
         assert len(r.token_ids) <= 10
         if r.finish_reason == "length":
             assert len(r.token_ids) == 10

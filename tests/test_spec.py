@@ -15,11 +15,15 @@ import pytest
 
 from edgespec.spec import (
     GenerationStats,
+    DraftTree,
     LookupDrafter,
     ModelDrafter,
     SamplingParams,
+    TreeDrafter,
     ar_decode,
     chain_decode,
+    tree_decode,
+    verify_tree,
     warp,
 )
 from edgespec.spec.chain import verify_chain
@@ -38,6 +42,10 @@ class ToyCache:
     def reset(self) -> None:
         self.length = 0
 
+    def compact(self, start: int, slots: list[int]) -> None:
+        self.moves = (start, slots)
+        self.length = start + len(slots)
+
 
 class MarkovModel:
     """logits(next | previous token) = table[previous]; the cache is the token list."""
@@ -48,7 +56,7 @@ class MarkovModel:
         self.max_len = max_len
         self.seen: list[int] = []
 
-    def forward(self, ids: list[int]) -> np.ndarray:
+    def forward(self, ids: list[int], positions=None, bias=None) -> np.ndarray:
         self.seen = self.seen[:self.cache.length] + list(ids)
         self.cache.length = len(self.seen)
         assert self.cache.length <= self.max_len
@@ -238,3 +246,60 @@ def test_greedy_lookup_equals_greedy_ar(seed):
                              4, rng, stats), 40)
     assert spec == ar
     assert stats.accepted > 0  # greedy Markov chains cycle, so lookup hits
+
+
+def test_tree_inputs_show_each_node_only_its_ancestors():
+    tree = DraftTree()
+    a = tree.add(10, -1, -0.1)
+    b = tree.add(11, a, -0.5)
+    c = tree.add(12, a, -0.7)
+    d = tree.add(13, b, -0.9)
+    ids, positions, bias = tree.verify_inputs(root=9, past=3)
+    assert ids == [9, 10, 11, 12, 13]
+    assert positions.tolist() == [3, 4, 5, 5, 6]
+    visible = (bias[0, 0] == 0).astype(int)
+    assert visible.tolist() == [[1, 1, 1, 1, 0, 0, 0, 0],   # root
+                                [1, 1, 1, 1, 1, 0, 0, 0],   # a
+                                [1, 1, 1, 1, 1, 1, 0, 0],   # b
+                                [1, 1, 1, 1, 1, 0, 1, 0],   # c: not b
+                                [1, 1, 1, 1, 1, 1, 0, 1]]   # d: a, b
+    assert tree.prune(2).tokens == [10, 11]
+
+
+def test_verify_tree_follows_matching_children():
+    tree = DraftTree()
+    a = tree.add(1, -1, 0.0)
+    tree.add(2, -1, 0.0)
+    c = tree.add(3, a, 0.0)
+    logits = np.full((4, V), -5.0)
+    logits[0, 1] = logits[1, 3] = logits[3, 4] = 5.0  # root->1, a->3, c->4 (no child)
+    path, nxt = verify_tree(logits, tree, SamplingParams(), np.random.default_rng(0))
+    assert path == [a, c] and nxt == 4
+
+
+def tree_run(table, draft_table, prompt, params, rng, n, budget=6, stats=None):
+    target = MarkovModel(table, 200)
+    drafter = TreeDrafter(MarkovModel(draft_table, 200), top_k=2, depth=3)
+    return take(tree_decode(target, drafter, prompt, params, budget, rng,
+                            stats or GenerationStats("spec")), n)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_tree_equals_greedy_ar(seed):
+    target_table, draft_table = tables(seed)
+    params = SamplingParams(0.0)
+    rng = np.random.default_rng(0)
+    ar = take(ar_decode(MarkovModel(target_table, 200), [1], params, rng,
+                        GenerationStats("ar")), 40)
+    stats = GenerationStats("spec")
+    assert tree_run(target_table, draft_table, [1], params, rng, 40, stats=stats) == ar
+    assert stats.accepted > 0 and stats.target_passes < 40
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_tree_sampling_preserves_sequence_distribution(params):
+    target_table, draft_table = tables(6)
+    rng = np.random.default_rng(3)
+    samples = [tuple(tree_run(target_table, draft_table, [2], params, rng, 3))
+               for _ in range(6000)]
+    assert_matches(samples, exact_distribution(target_table, 2, 3, params))

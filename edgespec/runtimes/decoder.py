@@ -52,6 +52,17 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def compact(self, start: int, slots: list[int]) -> None:
+        """Move the entries at `slots` to start, start+1, ... and cut the cache there
+        (the verified path of a token tree, made contiguous again)."""
+        if not hasattr(self, "arrays"):
+            raise EdgespecError("token trees need the KV cache in host memory in this "
+                                "version; use chain speculation on this device.")
+        for k, v in self.arrays:
+            k[:, :, start:start + len(slots)] = k[:, :, slots]
+            v[:, :, start:start + len(slots)] = v[:, :, slots]
+        self.length = start + len(slots)
+
     def bind(self, binding: ort.IOBinding) -> None:
         for i, (k, v) in enumerate(self.buffers):
             binding.bind_ortvalue_input(f"past_key_{i}", k)
@@ -89,6 +100,16 @@ class ConcatKVCache(KVCache):
 
     def bind(self, binding: ort.IOBinding) -> None:
         self.before_run(binding)
+
+    def compact(self, start: int, slots: list[int]) -> None:
+        moved = []
+        for k, v in self.values:
+            k, v = k.numpy(), v.numpy()
+            keep = list(range(start)) + list(slots)
+            moved.append(tuple(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(
+                t[:, :, keep])) for t in (k, v)))
+        self.values = moved
+        self.length = start + len(slots)
 
     def before_run(self, binding: ort.IOBinding) -> None:
         stored = self.values[0][0].shape()[2]

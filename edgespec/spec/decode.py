@@ -16,9 +16,10 @@ from collections.abc import Iterator
 import numpy as np
 
 from edgespec.spec.chain import verify_chain
-from edgespec.spec.drafters import Drafter, Model
+from edgespec.spec.drafters import Drafter, Model, TreeDrafter
 from edgespec.spec.sampling import SamplingParams, sample
 from edgespec.spec.stats import GenerationStats
+from edgespec.spec.tree import verify_tree
 
 
 def prefill(target: Model, ids: list[int], params: SamplingParams, rng: np.random.Generator,
@@ -72,4 +73,36 @@ def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: Sampli
         tokens += new
         target.cache.trim(target.cache.length - (len(tokens) - 1))
         drafter.rollback(len(tokens))
+        yield new
+
+
+def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: SamplingParams,
+                budget: int, rng: np.random.Generator,
+                stats: GenerationStats) -> Iterator[list[int]]:
+    """Grow a draft tree, verify it in one target pass, keep the accepted path + one.
+
+    The verify pass writes the root and every node into the target's cache; the
+    accepted path's entries are then moved next to the prefix (`compact`), so the cache
+    again holds exactly the committed tokens but the last.
+    """
+    drafter.reset()
+    tokens = [*ids, prefill(target, ids, params, rng, stats)]
+    yield tokens[-1:]
+    while True:
+        t0 = time.perf_counter()
+        tree = drafter.propose_tree(tokens, min(budget, target.max_len - len(tokens)), params,
+                                    stats)
+        t1 = time.perf_counter()
+        past = target.cache.length
+        logits = target.forward(*tree.verify_inputs(tokens[-1], past))
+        stats.target_passes += 1
+        path, nxt = verify_tree(logits, tree, params, rng)
+        target.cache.compact(past + 1, [past + 1 + node for node in path])
+        stats.draft_s += t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+        stats.drafted += len(tree)
+        stats.accepted += len(path)
+        new = [tree.tokens[node] for node in path] + [nxt]
+        tokens += new
+        drafter.rollback()
         yield new

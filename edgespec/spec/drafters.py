@@ -15,6 +15,7 @@ import numpy as np
 
 from edgespec.spec.sampling import SamplingParams, sample_probs, warp
 from edgespec.spec.stats import GenerationStats
+from edgespec.spec.tree import NEG_INF, DraftTree, expand
 
 
 class Cache(Protocol):
@@ -24,14 +25,22 @@ class Cache(Protocol):
 
     def reset(self) -> None: ...
 
+    def compact(self, start: int, slots: list[int]) -> None:
+        """Move the entries at `slots` to start, start+1, ... and cut the cache there."""
+
 
 class Model(Protocol):
-    """A decoder that appends `ids` after its cached prefix and returns their logits."""
+    """A decoder that appends `ids` after its cached prefix and returns their logits.
+
+    `positions` and `bias` ([1, 1, S, past + S], 0 or -inf) let one call feed a token
+    tree: nodes at their depths, each seeing only its ancestors.
+    """
 
     cache: Cache
     max_len: int
 
-    def forward(self, ids: list[int]) -> np.ndarray: ...
+    def forward(self, ids: list[int], positions: np.ndarray | None = None,
+                bias: np.ndarray | None = None) -> np.ndarray: ...
 
 
 class Drafter(Protocol):
@@ -109,3 +118,49 @@ def lookup(seq: np.ndarray, n: int, max_ngram: int) -> list[int]:
             start = hits[-1] + k
             return seq[start:start + n].tolist()
     return []
+
+
+class TreeDrafter:
+    """A draft model growing an EAGLE-2-style tree (see spec.tree.expand).
+
+    Tree nodes are fed to the draft's own cache after the committed tokens, one depth
+    per pass, with a bias that shows each node only its ancestors. After verification
+    the draft forgets all of them and re-reads the accepted ones with the next round's
+    first pass (one cheap multi-token pass, no cache surgery).
+    """
+
+    def __init__(self, model: Model, top_k: int = 3, depth: int = 4):
+        self.model = model
+        self.top_k = top_k
+        self.depth = depth
+        self.committed = 0
+
+    def reset(self) -> None:
+        self.model.cache.reset()
+        self.committed = 0
+
+    def rollback(self) -> None:
+        cache = self.model.cache
+        cache.trim(max(0, cache.length - self.committed))
+
+    def propose_tree(self, tokens: list[int], budget: int, params: SamplingParams,
+                     stats: GenerationStats) -> DraftTree:
+        m = self.model
+        root_logits = m.forward(tokens[m.cache.length:])[-1]
+        stats.draft_passes += 1
+        base = self.committed = len(tokens)
+        slot: dict[int, int] = {}
+
+        def step(nodes: list[int], tree: DraftTree) -> np.ndarray:
+            past = m.cache.length
+            bias = np.full((1, 1, len(nodes), past + len(nodes)), NEG_INF, np.float32)
+            bias[0, 0, :, :base] = 0.0
+            for row, node in enumerate(nodes):
+                slot[node] = past + row
+                bias[0, 0, row, [slot[a] for a in tree.ancestors(node)]] = 0.0
+            stats.draft_passes += 1
+            positions = base - 1 + np.array([tree.depths[n] for n in nodes])
+            return m.forward([tree.tokens[n] for n in nodes], positions, bias)
+
+        depth = min(self.depth, m.max_len - base)
+        return expand(root_logits, step, params, self.top_k, depth, budget)

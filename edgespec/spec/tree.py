@@ -1,0 +1,131 @@
+"""Token trees: draft many continuations, verify all of them in one target pass.
+
+Tree (EAGLE-2 style, deterministic): from the root (the last committed token) take the
+draft's top-k tokens; at each depth expand the k frontier nodes with the highest
+cumulative draft log-probability, each by its own top-k; finally keep the `budget`
+nodes with the highest cumulative log-probability. A child never scores above its
+parent, so the kept set is closed under ancestors.
+
+Verification (sample-and-match, exact for any tree built without looking at the
+target): at the root, draw x from the target's (warped) distribution — argmax when
+greedy — and descend into the child whose token is x; repeat from there; the first x
+that has no matching child is emitted and ends the pass. Every emitted token is drawn
+from the target at its true context, so greedy output equals AR's and sampled output has
+the target's distribution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgespec.spec.sampling import SamplingParams, sample
+
+NEG_INF = np.finfo(np.float32).min
+
+
+@dataclass
+class DraftTree:
+    """Nodes in the order they will be fed (every parent before its children)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # -1: child of the root
+    depths: list[int] = field(default_factory=list)  # 1 for the root's children
+    scores: list[float] = field(default_factory=list)  # cumulative draft log-probability
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.scores.append(score)
+        return len(self.tokens) - 1
+
+    def ancestors(self, node: int) -> list[int]:
+        """The node and its ancestors (root excluded), nearest first."""
+        chain = []
+        while node >= 0:
+            chain.append(node)
+            node = self.parents[node]
+        return chain
+
+    def prune(self, budget: int) -> DraftTree:
+        """The `budget` best nodes, re-indexed so parents still come first."""
+        keep = sorted(sorted(range(len(self)), key=lambda i: (-self.scores[i],
+                                                             self.depths[i]))[:budget])
+        index = {old: new for new, old in enumerate(keep)}
+        tree = DraftTree()
+        for old in keep:
+            parent = self.parents[old]
+            assert parent < 0 or parent in index, "pruning must keep ancestors"
+            tree.add(self.tokens[old], index.get(parent, -1), self.scores[old])
+        return tree
+
+    def verify_inputs(self, root: int, past: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """ids, positions and bias for one pass over [root, *nodes] after `past` tokens."""
+        s = len(self) + 1
+        bias = np.full((1, 1, s, past + s), NEG_INF, dtype=np.float32)
+        bias[0, 0, :, :past + 1] = 0.0  # the prefix and the root: seen by all
+        for node in range(len(self)):
+            bias[0, 0, node + 1, [past + 1 + a for a in self.ancestors(node)]] = 0.0
+        positions = past + np.array([0, *self.depths], dtype=np.int64)
+        return [root, *self.tokens], positions, bias
+
+
+def expand(root_logits: np.ndarray, step: Callable[[list[int], DraftTree], np.ndarray],
+           params: SamplingParams, top_k: int, depth: int, budget: int) -> DraftTree:
+    """Grow a tree from the draft's logits at the root.
+
+    `step(nodes, tree)` runs the draft on `nodes` (already in `tree`) and returns their
+    logits, one row each. Scores use the warped draft distribution, so sampling with a
+    temperature grows the tree the target is likely to follow at that temperature.
+    """
+    tree = DraftTree()
+    if budget <= 0 or depth <= 0:
+        return tree
+    frontier = _children(tree, -1, 0.0, root_logits, params, top_k)
+    for _ in range(depth - 1):
+        logits = step(frontier, tree)
+        candidates = []
+        for node, row in zip(frontier, logits, strict=True):
+            candidates += _children(tree, node, tree.scores[node], row, params, top_k)
+        frontier = sorted(candidates, key=lambda i: -tree.scores[i])[:top_k]
+    return tree.prune(budget)
+
+
+def _children(tree: DraftTree, parent: int, score: float, logits: np.ndarray,
+              params: SamplingParams, top_k: int) -> list[int]:
+    logp = _log_softmax(logits if params.greedy else logits / params.temperature)
+    best = np.argpartition(-logp, top_k)[:top_k] if top_k < len(logp) else np.arange(len(logp))
+    best = best[np.argsort(-logp[best], kind="stable")]
+    return [tree.add(int(t), parent, score + float(logp[t])) for t in best]
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = np.asarray(z, dtype=np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def verify_tree(target_logits: np.ndarray, tree: DraftTree, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], int]:
+    """Return (accepted node indices, root to leaf; the token emitted after them).
+
+    target_logits: [1 + len(tree), V], row 0 for the root, row i + 1 for node i.
+    """
+    children: dict[int, dict[int, int]] = {}
+    for node, parent in enumerate(tree.parents):
+        children.setdefault(parent, {})[tree.tokens[node]] = node
+    path: list[int] = []
+    node = -1
+    while True:
+        x = sample(target_logits[node + 1], params, rng)
+        child = children.get(node, {}).get(x)
+        if child is None:
+            return path, x
+        path.append(child)
+        node = child
