@@ -89,11 +89,17 @@ def export(target: str, draft: str | None, out: Path, precision: str,
               help="Tokens drafted per target pass (chains).")
 @click.option("--tree-budget", default=0, show_default=True, type=click.IntRange(0, 1024),
               help="Spec mode: verify a draft token tree of this many nodes (0: a chain).")
+@click.option("--adaptive/--fixed", default=False, show_default=True,
+              help="Tune the chain length per pass (up to --draft-tokens) from measurements.")
+@click.option("--stop-rule", type=click.Choice(["none", "confidence", "entropy"]),
+              default="none", show_default=True,
+              help="End a chain early when the draft is unsure (confidence < 0.4, or SVIP).")
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, seed: int | None, mode: str, draft_tokens: int,
-             tree_budget: int, device: str, as_json: bool) -> None:
+             tree_budget: int, adaptive: bool, stop_rule: str, device: str,
+             as_json: bool) -> None:
     """Continue PROMPT (or stdin) with the model."""
     from edgespec.engine import GenerationConfig, load
 
@@ -104,7 +110,8 @@ def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temper
     engine = load(model, device=device)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, mode=mode,
-                              draft_tokens=draft_tokens, tree_budget=tree_budget)
+                              draft_tokens=draft_tokens, tree_budget=tree_budget,
+                              adaptive=adaptive, stop_rule=stop_rule)
     if as_json:
         click.echo(json.dumps(engine.generate(prompt, config).to_dict()))
         return

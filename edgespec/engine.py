@@ -31,6 +31,7 @@ from edgespec.spec import (
     chain_decode,
     tree_decode,
 )
+from edgespec.spec.adaptive import STOP_RULES, GammaController
 from edgespec.tokenizer import Tokenizer
 
 MODES = ("ar", "spec", "lookup")
@@ -50,7 +51,10 @@ class GenerationConfig:
     top_k: int = 0
     seed: int | None = None
     mode: str = "spec"
-    draft_tokens: int = 4  # γ, the chain length per target pass
+    draft_tokens: int = 4  # γ, the chain length per target pass (the maximum if adaptive)
+    adaptive: bool = False  # tune γ per pass from measured acceptance and costs
+    stop_rule: str = "none"  # "confidence" or "entropy": end a chain when the draft is unsure
+    stop_threshold: float = 0.4
     tree_budget: int = 0  # > 0: spec mode drafts a token tree of this many nodes instead
     tree_depth: int = 4
     tree_top_k: int = 3
@@ -62,6 +66,8 @@ class GenerationConfig:
             raise EdgespecError("this bundle has no draft model, so --mode spec cannot run; "
                                 "use --mode ar or export with --draft.")
         checks = [(self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+                  (self.stop_rule in STOP_RULES,
+                   f"stop_rule must be one of {', '.join(STOP_RULES)}"),
                   (self.temperature >= 0, "temperature must be >= 0"),
                   (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
                   (self.top_k >= 0, "top_k must be >= 0"),
@@ -177,10 +183,12 @@ class Engine:
             steps = tree_decode(self.target, drafter, ids, config.sampling, config.tree_budget,
                                 rng, stats)
         else:
-            drafter = (ModelDrafter(self.draft) if config.mode == "spec"
+            drafter = (ModelDrafter(self.draft, config.stop_rule, config.stop_threshold)
+                       if config.mode == "spec"
                        else LookupDrafter(self.manifest.target.vocab_size))
+            controller = GammaController(config.draft_tokens) if config.adaptive else None
             steps = chain_decode(self.target, drafter, ids, config.sampling,
-                                 config.draft_tokens, rng, stats)
+                                 config.draft_tokens, rng, stats, controller)
         produced = 0
         for tokens in steps:
             finish = None

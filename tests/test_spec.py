@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from edgespec.spec import (
-    GenerationStats,
     DraftTree,
+    GenerationStats,
     LookupDrafter,
     ModelDrafter,
     SamplingParams,
@@ -252,8 +252,8 @@ def test_tree_inputs_show_each_node_only_its_ancestors():
     tree = DraftTree()
     a = tree.add(10, -1, -0.1)
     b = tree.add(11, a, -0.5)
-    c = tree.add(12, a, -0.7)
-    d = tree.add(13, b, -0.9)
+    tree.add(12, a, -0.7)
+    tree.add(13, b, -0.9)
     ids, positions, bias = tree.verify_inputs(root=9, past=3)
     assert ids == [9, 10, 11, 12, 13]
     assert positions.tolist() == [3, 4, 5, 5, 6]
@@ -303,3 +303,43 @@ def test_tree_sampling_preserves_sequence_distribution(params):
     samples = [tuple(tree_run(target_table, draft_table, [2], params, rng, 3))
                for _ in range(6000)]
     assert_matches(samples, exact_distribution(target_table, 2, 3, params))
+
+
+def test_stop_rules():
+    from edgespec.spec.adaptive import should_stop
+
+    sure, unsure = np.array([0.9, 0.05, 0.05]), np.array([0.35, 0.33, 0.32])
+    assert not should_stop(sure, "confidence") and should_stop(unsure, "confidence")
+    assert not should_stop(sure, "entropy") and should_stop(unsure, "entropy")  # H=1.1 nats
+    assert not should_stop(unsure, "none")
+
+
+def test_gamma_controller_follows_acceptance_and_costs():
+    from edgespec.spec.adaptive import GammaController
+
+    good = GammaController(max_gamma=8)
+    bad = GammaController(max_gamma=8)
+    for _ in range(20):
+        # verify costs 10 ms whatever S; a draft pass 1 ms
+        good.update(drafted=4, accepted=4, draft_s=0.004, verify_s=0.010)
+        bad.update(drafted=4, accepted=0, draft_s=0.004, verify_s=0.010)
+    assert good.alpha > 0.9 and bad.alpha < 0.1
+    assert good.gamma() == 8 and bad.gamma() == 1
+
+
+@pytest.mark.parametrize("kwargs", [{"stop_rule": "confidence"}, {"stop_rule": "entropy"},
+                                    {"adaptive": True}])
+def test_adaptive_chains_stay_lossless(kwargs):
+    from edgespec.spec.adaptive import GammaController
+
+    target_table, draft_table = tables(7)
+    params = SamplingParams(1.0)
+    rng = np.random.default_rng(5)
+    samples = []
+    for _ in range(6000):
+        drafter = ModelDrafter(MarkovModel(draft_table), kwargs.get("stop_rule", "none"))
+        controller = GammaController(4) if kwargs.get("adaptive") else None
+        gen = chain_decode(MarkovModel(target_table), drafter, [3], params, 4, rng,
+                           GenerationStats("spec"), controller)
+        samples.append(tuple(take(gen, 3)))
+    assert_matches(samples, exact_distribution(target_table, 3, 3, params))

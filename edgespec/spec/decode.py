@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from edgespec.spec.adaptive import GammaController
 from edgespec.spec.chain import verify_chain
 from edgespec.spec.drafters import Drafter, Model, TreeDrafter
 from edgespec.spec.sampling import SamplingParams, sample
@@ -46,29 +47,34 @@ def ar_decode(target: Model, ids: list[int], params: SamplingParams, rng: np.ran
 
 
 def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: SamplingParams,
-                 gamma: int, rng: np.random.Generator,
-                 stats: GenerationStats) -> Iterator[list[int]]:
+                 gamma: int, rng: np.random.Generator, stats: GenerationStats,
+                 controller: GammaController | None = None) -> Iterator[list[int]]:
     """Draft up to γ tokens, verify them in one target pass, keep the accepted prefix + 1.
 
     Invariant between steps: `tokens` is everything committed; every cache holds a
     prefix of it and the last committed token is always still to be fed. After a pass
-    the caches are trimmed back to that invariant, which is the whole rollback.
+    the caches are trimmed back to that invariant, which is the whole rollback. With a
+    `controller`, γ is chosen per pass (up to `gamma`) from measured acceptance and costs.
     """
     drafter.reset()
     tokens = [*ids, prefill(target, ids, params, rng, stats)]
     yield tokens[-1:]
     while True:
-        g = min(gamma, target.max_len - len(tokens))  # the verify pass must fit
+        g = controller.gamma() if controller else gamma
+        g = min(g, target.max_len - len(tokens))  # the verify pass must fit
         t0 = time.perf_counter()
         proposals, q = drafter.propose(tokens, g, params, rng, stats)
         t1 = time.perf_counter()
         logits = target.forward(tokens[target.cache.length:] + proposals)
         stats.target_passes += 1
         n, nxt = verify_chain(logits[-(len(proposals) + 1):], proposals, q, params, rng)
+        t2 = time.perf_counter()
         stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
+        stats.verify_s += t2 - t1
         stats.drafted += len(proposals)
         stats.accepted += n
+        if controller:
+            controller.update(len(proposals), n, t1 - t0, t2 - t1)
         new = proposals[:n] + [nxt]
         tokens += new
         target.cache.trim(target.cache.length - (len(tokens) - 1))

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from edgespec.spec.adaptive import should_stop
 from edgespec.spec.sampling import SamplingParams, sample_probs, warp
 from edgespec.spec.stats import GenerationStats
 from edgespec.spec.tree import NEG_INF, DraftTree, expand
@@ -55,10 +56,13 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """A small autoregressive model with its own KV cache."""
+    """A small autoregressive model with its own KV cache; `stop_rule` (see
+    spec.adaptive) may end a chain early when the draft grows unsure."""
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, stop_rule: str = "none", threshold: float = 0.4):
         self.model = model
+        self.stop_rule = stop_rule
+        self.threshold = threshold
 
     def reset(self) -> None:
         self.model.cache.reset()
@@ -70,11 +74,14 @@ class ModelDrafter:
         for _ in range(n):
             logits = self.model.forward(feed)[-1]
             stats.draft_passes += 1
+            q = warp(logits, params if not params.greedy else SamplingParams(1.0))
+            if proposals and should_stop(q, self.stop_rule, self.threshold):
+                break  # keeps at least one proposal, so the draft pass is not wasted
             if params.greedy:
                 proposals.append(int(np.argmax(logits)))
             else:
-                q_rows.append(warp(logits, params))
-                proposals.append(sample_probs(q_rows[-1], rng))
+                q_rows.append(q)
+                proposals.append(sample_probs(q, rng))
             feed = proposals[-1:]
         return proposals, (np.stack(q_rows) if q_rows else None)
 
