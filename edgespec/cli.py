@@ -84,6 +84,7 @@ def export(target: str, draft: str | None, out: Path, precision: str,
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0),
               help="0 = off.")
 @click.option("--seed", type=int, help="Seed for sampling.")
+@click.option("--stop", multiple=True, help="End the text at this string (repeatable).")
 @mode_option
 @click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 64),
               help="Tokens drafted per target pass (chains).")
@@ -97,7 +98,8 @@ def export(target: str, draft: str | None, out: Path, precision: str,
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temperature: float,
-             top_p: float, top_k: int, seed: int | None, mode: str, draft_tokens: int,
+             top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...], mode: str,
+             draft_tokens: int,
              tree_budget: int, adaptive: bool, stop_rule: str, device: str,
              as_json: bool) -> None:
     """Continue PROMPT (or stdin) with the model."""
@@ -109,7 +111,7 @@ def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temper
         prompt = sys.stdin.read()
     engine = load(model, device=device)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, seed=seed, mode=mode,
+                              top_p=top_p, top_k=top_k, seed=seed, stop=list(stop), mode=mode,
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
                               adaptive=adaptive, stop_rule=stop_rule)
     if as_json:

@@ -55,6 +55,7 @@ class GenerationConfig:
     adaptive: bool = False  # tune γ per pass from measured acceptance and costs
     stop_rule: str = "none"  # "confidence" or "entropy": end a chain when the draft is unsure
     stop_threshold: float = 0.4
+    stop: list[str] = field(default_factory=list)  # end (and cut) the text at these strings
     tree_budget: int = 0  # > 0: spec mode drafts a token tree of this many nodes instead
     tree_depth: int = 4
     tree_top_k: int = 3
@@ -89,7 +90,8 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: GenerationStats
-    finish_reason: str = "length"  # "stop" (EOS), "length" (max_new_tokens or context)
+    # "stop" (EOS or a stop string), "length" (max_new_tokens or context), "cancelled"
+    finish_reason: str = "length"
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": self.token_ids,
@@ -105,6 +107,36 @@ class _Record:
     stats: GenerationStats
     finish_reason: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _StopStrings:
+    """Cuts the text at the first stop string, holding back any tail that might be the
+    start of one, so a stop string split across tokens never reaches the stream."""
+
+    def __init__(self, stops: list[str] | tuple[str, ...]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.hit = False
+
+    def feed(self, delta: str) -> str:
+        if not self.stops:
+            return delta
+        text = self.held + delta
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.hit, self.held = True, ""
+            return text[:cut]
+        keep = max((k for s in self.stops for k in range(1, len(s))
+                    if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self, delta: str) -> str:
+        out = self.feed(delta)
+        if not self.hit:
+            out += self.held
+        self.held = ""
+        return out
 
 
 class Engine:
@@ -189,23 +221,30 @@ class Engine:
             controller = GammaController(config.draft_tokens) if config.adaptive else None
             steps = chain_decode(self.target, drafter, ids, config.sampling,
                                  config.draft_tokens, rng, stats, controller)
+        stop = _StopStrings(config.stop)
         produced = 0
-        for tokens in steps:
-            finish = None
-            for n, tok in enumerate(tokens):
+        for step_tokens in steps:
+            tokens: list[int] = []
+            text, finish = "", None
+            for tok in step_tokens:
                 if tok in self.eos_ids:
-                    tokens, finish = tokens[:n], "stop"
+                    finish = "stop"
                     break
-            if produced + len(tokens) >= budget and finish is None:
-                tokens, finish = tokens[:budget - produced], "length"
+                tokens.append(tok)
+                text += stop.feed(detok.add(tok))
+                if stop.hit:
+                    finish = "stop"
+                    break
+                if produced + len(tokens) >= budget:
+                    finish = "length"
+                    break
             produced += len(tokens)
             stats.new_tokens = produced
             stats.wall_s = time.perf_counter() - start
-            text = "".join(detok.add(t) for t in tokens)
             if finish is None and self._cancel.is_set():
                 finish = "cancelled"
             if finish:
-                text += detok.flush()
+                text += stop.flush(detok.flush() if not stop.hit else "")
             yield _Record(tokens, text, stats, finish)
             if finish:
                 return

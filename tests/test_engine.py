@@ -183,3 +183,28 @@ def test_spec_without_draft_is_a_clear_error(tmp_path, demo_target):
 def test_unavailable_device_is_a_clear_error(demo_bundle):
     with pytest.raises(EdgespecError, match="cuda execution provider is not available"):
         edgespec.load(demo_bundle, device="cuda")
+
+
+@pytest.mark.parametrize("drafter", ["chain3", "tree8", "lookup"])
+def test_stop_strings(engine, drafter):
+    full = engine.generate(PROMPTS[1], max_new_tokens=64, mode="ar").text
+    stop = full[len(full) // 2:len(full) // 2 + 3]  # some 3 characters from the middle
+    assert stop.strip(), full
+    cut = full[:full.find(stop)]
+    r = engine.generate(PROMPTS[1], max_new_tokens=64, stop=["never appears", stop],
+                        **DRAFTERS[drafter])
+    assert r.text == cut and r.finish_reason == "stop"
+    chunks = list(engine.stream(PROMPTS[1], max_new_tokens=64, stop=[stop],
+                                **DRAFTERS[drafter]))
+    assert "".join(chunks) == cut
+
+
+def test_stop_string_split_across_chunks_is_held_back():
+    from edgespec.engine import _StopStrings
+
+    s = _StopStrings(["END"])
+    assert s.feed("abc E") == "abc "  # "E" might start "END": held
+    assert s.feed("N") == ""
+    assert s.feed("Dx") == "" and s.hit
+    t = _StopStrings(["END"])
+    assert t.feed("xE") == "x" and t.feed("Q") == "EQ" and t.flush("E") == "E"
