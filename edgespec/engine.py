@@ -59,6 +59,8 @@ class GenerationConfig:
     tree_budget: int = 0  # > 0: spec mode drafts a token tree of this many nodes instead
     tree_depth: int = 4
     tree_top_k: int = 3
+    tree_best_first: bool = False  # SpecExec-style growth, for budgets of hundreds
+    tree_lookup: int = 0  # graft this many prompt-lookup tokens as an extra branch
 
     def validate(self, has_draft: bool) -> None:
         if self.mode not in MODES:
@@ -211,7 +213,8 @@ class Engine:
         if config.mode == "ar":
             steps = ar_decode(self.target, ids, config.sampling, rng, stats)
         elif config.mode == "spec" and config.tree_budget:
-            drafter = TreeDrafter(self.draft, config.tree_top_k, config.tree_depth)
+            drafter = TreeDrafter(self.draft, config.tree_top_k, config.tree_depth,
+                                  config.tree_best_first, config.tree_lookup)
             steps = tree_decode(self.target, drafter, ids, config.sampling, config.tree_budget,
                                 rng, stats)
         else:

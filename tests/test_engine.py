@@ -31,6 +31,10 @@ DRAFTERS = {
     "chain6": dict(mode="spec", draft_tokens=6),
     "tree8": dict(mode="spec", tree_budget=8, tree_depth=4, tree_top_k=2),
     "tree24": dict(mode="spec", tree_budget=24, tree_depth=6, tree_top_k=4),
+    "specexec64": dict(mode="spec", tree_budget=64, tree_depth=10, tree_top_k=4,
+                       tree_best_first=True),
+    "tree+lookup": dict(mode="spec", tree_budget=12, tree_depth=4, tree_top_k=2,
+                        tree_lookup=4),
     "lookup": dict(mode="lookup", draft_tokens=4),
 }
 

@@ -343,3 +343,27 @@ def test_adaptive_chains_stay_lossless(kwargs):
                            GenerationStats("spec"), controller)
         samples.append(tuple(take(gen, 3)))
     assert_matches(samples, exact_distribution(target_table, 3, 3, params))
+
+
+def test_graft_shares_existing_nodes():
+    tree = DraftTree()
+    a = tree.add(1, -1, -0.1)
+    tree.add(2, a, -0.2)
+    tree.graft([1, 2, 3])
+    tree.graft([4])
+    assert tree.tokens == [1, 2, 3, 4] and tree.parents == [-1, 0, 1, -1]
+
+
+@pytest.mark.parametrize("best_first,lookup_tokens", [(True, 0), (False, 3)])
+def test_tree_variants_stay_lossless(best_first, lookup_tokens):
+    target_table, draft_table = tables(8)
+    params = SamplingParams(0.8)
+    rng = np.random.default_rng(9)
+    samples = []
+    for _ in range(6000):
+        drafter = TreeDrafter(MarkovModel(draft_table, 200), top_k=2, depth=3,
+                              best_first=best_first, lookup_tokens=lookup_tokens)
+        gen = tree_decode(MarkovModel(target_table, 200), drafter, [1, 2, 1], params, 8, rng,
+                          GenerationStats("spec"))
+        samples.append(tuple(take(gen, 3)))
+    assert_matches(samples, exact_distribution(target_table, 1, 3, params))

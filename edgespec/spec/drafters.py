@@ -16,7 +16,7 @@ import numpy as np
 from edgespec.spec.adaptive import should_stop
 from edgespec.spec.sampling import SamplingParams, sample_probs, warp
 from edgespec.spec.stats import GenerationStats
-from edgespec.spec.tree import NEG_INF, DraftTree, expand
+from edgespec.spec.tree import NEG_INF, DraftTree, expand, expand_best_first
 
 
 class Cache(Protocol):
@@ -136,10 +136,15 @@ class TreeDrafter:
     first pass (one cheap multi-token pass, no cache surgery).
     """
 
-    def __init__(self, model: Model, top_k: int = 3, depth: int = 4):
+    def __init__(self, model: Model, top_k: int = 3, depth: int = 4, best_first: bool = False,
+                 lookup_tokens: int = 0):
+        """`best_first` grows SpecExec-style (for budgets of hundreds of nodes);
+        `lookup_tokens` > 0 grafts that many prompt-lookup tokens as an extra branch."""
         self.model = model
         self.top_k = top_k
         self.depth = depth
+        self.best_first = best_first
+        self.lookup_tokens = lookup_tokens
         self.committed = 0
 
     def reset(self) -> None:
@@ -170,4 +175,12 @@ class TreeDrafter:
             return m.forward([tree.tokens[n] for n in nodes], positions, bias)
 
         depth = min(self.depth, m.max_len - base)
-        return expand(root_logits, step, params, self.top_k, depth, budget)
+        chain = lookup(np.asarray(tokens), min(self.lookup_tokens, budget, depth), 3)
+        budget -= len(chain)  # the grafted branch must fit the budget too
+        if self.best_first:
+            tree = expand_best_first(root_logits, step, params, self.top_k, self.top_k,
+                                     budget, depth)
+        else:
+            tree = expand(root_logits, step, params, self.top_k, depth, budget)
+        tree.graft(chain)
+        return tree

@@ -53,6 +53,16 @@ class DraftTree:
             node = self.parents[node]
         return chain
 
+    def graft(self, chain: list[int]) -> None:
+        """Add a chain of tokens below the root, sharing nodes where they already exist
+        (prompt-lookup proposals as an extra branch of a model's tree)."""
+        parent = -1
+        for token in chain:
+            child = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents,
+                                                          strict=True))
+                          if t == token and p == parent), None)
+            parent = child if child is not None else self.add(token, parent, float("-inf"))
+
     def prune(self, budget: int) -> DraftTree:
         """The `budget` best nodes, re-indexed so parents still come first."""
         keep = sorted(sorted(range(len(self)), key=lambda i: (-self.scores[i],
@@ -94,6 +104,29 @@ def expand(root_logits: np.ndarray, step: Callable[[list[int], DraftTree], np.nd
         for node, row in zip(frontier, logits, strict=True):
             candidates += _children(tree, node, tree.scores[node], row, params, top_k)
         frontier = sorted(candidates, key=lambda i: -tree.scores[i])[:top_k]
+    return tree.prune(budget)
+
+
+def expand_best_first(root_logits: np.ndarray,
+                      step: Callable[[list[int], DraftTree], np.ndarray],
+                      params: SamplingParams, top_k: int, batch: int, budget: int,
+                      max_depth: int) -> DraftTree:
+    """SpecExec-style growth for large budgets (hundreds of nodes, when a target pass is
+    expensive): repeatedly expand the `batch` best not-yet-expanded nodes, wherever they
+    are, until the tree holds `budget` nodes worth keeping."""
+    tree = DraftTree()
+    if budget <= 0 or max_depth <= 0:
+        return tree
+    open_nodes = _children(tree, -1, 0.0, root_logits, params, top_k)
+    while open_nodes:
+        best = sorted(open_nodes, key=lambda i: -tree.scores[i])[:batch]
+        cutoff = sorted(tree.scores, reverse=True)[min(budget, len(tree)) - 1]
+        best = [n for n in best if tree.scores[n] >= cutoff and tree.depths[n] < max_depth]
+        if not best:
+            break
+        open_nodes = [n for n in open_nodes if n not in best]
+        for node, row in zip(best, step(best, tree), strict=True):
+            open_nodes += _children(tree, node, tree.scores[node], row, params, top_k)
     return tree.prune(budget)
 
 
