@@ -178,9 +178,14 @@ def chat(model: Path | None, device: str, mode: str, temperature: float,
 @click.option("--api-key", help="Require this Bearer token.")
 @device_option
 def serve(model: Path | None, host: str, port: int, api_key: str | None, device: str) -> None:
-    """Serve an OpenAI-compatible HTTP API."""
-    raise EdgespecError("`edgespec serve` is not implemented in this version yet; use the "
-                        "Python API (edgespec.load) or `edgespec generate`.")
+    """Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+    from edgespec.engine import load
+    from edgespec.server import serve as run_server
+
+    engine = load(model, device=device)
+    model_id = model.resolve().name if model else "edgespec-demo"
+    err.print(f"serving {model_id} on http://{host}:{port}/v1 ({engine.target.device})")
+    run_server(engine, model_id, host, port, api_key)
 
 
 @cli.command()

@@ -1,0 +1,153 @@
+"""The OpenAI-compatible server over real HTTP: the official `openai` client, raw
+requests for every kind of bad input, and a client that walks away mid-stream."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from edgespec.server import create_app
+
+KEY = "sk-test-123"
+MODEL = "edgespec-demo"
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(create_app(engine, MODEL, api_key=KEY), host="127.0.0.1",
+                            port=port, log_level="warning")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_chat_completion_equals_the_engine(client, engine):
+    messages = [{"role": "user", "content": "Write a Python function `add`: Add numbers."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                       temperature=0)
+    want = engine.generate(engine.tokenizer.encode_chat(messages), max_new_tokens=24)
+    assert r.choices[0].message.content == want.text
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.completion_tokens == len(want.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    stats = r.model_extra["edgespec"]
+    assert stats["mode"] == "spec" and stats["target_passes"] >= 1
+
+
+def test_chat_streaming(client):
+    kwargs = dict(model=MODEL, max_tokens=32, temperature=0,
+                  messages=[{"role": "user", "content": "Write a Python function `f`."}])
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    stream = client.chat.completions.create(stream=True, **kwargs)
+    chunks = [c for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_with_stop_and_seed(client):
+    r = client.completions.create(model=MODEL, prompt="def quicksort(items):",
+                                  max_tokens=40, temperature=0)
+    text = r.choices[0].text
+    stop = text[10:13]
+    cut = client.completions.create(model=MODEL, prompt="def quicksort(items):",
+                                    max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    a, b = (client.completions.create(model=MODEL, prompt="import", max_tokens=16,
+                                      temperature=0.9, seed=5).choices[0].text
+            for _ in range(2))
+    assert a == b
+
+
+def test_completion_streaming(client):
+    stream = client.completions.create(model=MODEL, prompt="class A:", max_tokens=20,
+                                       temperature=0, stream=True)
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    whole = client.completions.create(model=MODEL, prompt="class A:", max_tokens=20,
+                                      temperature=0).choices[0].text
+    assert text == whole
+
+
+def post(server, path, body=None, content=None, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers["Content-Type"] = "application/json"
+    return httpx.post(f"{server}{path}", json=body, content=content, headers=headers,
+                      timeout=60)
+
+
+@pytest.mark.parametrize("kwargs,status,fragment", [
+    (dict(content=b"{not json", key=KEY), 400, "not valid JSON"),
+    (dict(content=b"[1, 2]", key=KEY), 400, "must be a JSON object"),
+    (dict(body={"model": MODEL, "messages": "hi"}), 422, "messages"),
+    (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                "temperature": "hot"}), 422, "temperature"),
+    (dict(body={"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}), 422,
+     "role"),
+    (dict(body={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404,
+     "gpt-9"),
+    (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}),
+     400, "n=1"),
+    (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, key=None),
+     401, "API key"),
+    (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+          key="wrong"), 401, "API key"),
+    (dict(content=b"x" * (2 << 20)), 413, "body over"),
+    (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x = 1\n" * 700}]}),
+     400, "context"),
+])
+def test_bad_requests_get_openai_errors(server, kwargs, status, fragment):
+    r = post(server, "/v1/chat/completions", **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["type"]
+    assert httpx.get(f"{server}/health").status_code == 200  # still serving
+
+
+def test_unknown_route_is_a_json_404(server):
+    r = httpx.get(f"{server}/v1/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_disconnect_mid_stream_cancels_and_server_keeps_serving(server, client):
+    def health():
+        return httpx.get(f"{server}/health").json()
+
+    before = health()["cancelled"]
+    body = {"model": MODEL, "prompt": "def main(", "temperature": 0, "stream": True,
+            "mode": "ar"}  # no max_tokens: run to the end of the context
+    with httpx.stream("POST", f"{server}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk, then hang up
+    deadline = time.time() + 30
+    while health()["busy"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert health()["cancelled"] == before + 1  # stopped, not run to the end
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length")
