@@ -163,6 +163,7 @@ class Engine:
                       if m.draft else None)
         self.eos_ids = set(m.eos_token_ids)
         self._cancel = threading.Event()
+        self._cached: list[int] = []  # tokens whose KV the target cache holds, in order
 
     @property
     def context_length(self) -> int:
@@ -204,7 +205,15 @@ class Engine:
         config = self._config(config, kwargs)
         ids = self.encode_prompt(prompt)
         self._cancel.clear()
-        stats = GenerationStats(mode=config.mode, prompt_tokens=len(ids),
+        # a prompt extending the previous conversation reuses its KV cache (chat turns)
+        reuse = 0
+        for a, b in zip(ids[:-1], self._cached, strict=False):
+            if a != b:
+                break
+            reuse += 1
+        self.target.cache.trim(self.target.cache.length - reuse)
+        self._cached = []  # unknown until this generation finishes
+        stats = GenerationStats(mode=config.mode, prompt_tokens=len(ids), reused_tokens=reuse,
                                 device=self.target.device)
         rng = np.random.default_rng(config.seed)
         detok = self.tokenizer.detokenizer(skip_special_tokens=True)
@@ -225,7 +234,7 @@ class Engine:
             steps = chain_decode(self.target, drafter, ids, config.sampling,
                                  config.draft_tokens, rng, stats, controller)
         stop = _StopStrings(config.stop)
-        produced = 0
+        produced: list[int] = []
         for step_tokens in steps:
             tokens: list[int] = []
             text, finish = "", None
@@ -238,16 +247,18 @@ class Engine:
                 if stop.hit:
                     finish = "stop"
                     break
-                if produced + len(tokens) >= budget:
+                if len(produced) + len(tokens) >= budget:
                     finish = "length"
                     break
-            produced += len(tokens)
-            stats.new_tokens = produced
+            produced += tokens
+            stats.new_tokens = len(produced)
             stats.wall_s = time.perf_counter() - start
             if finish is None and self._cancel.is_set():
                 finish = "cancelled"
             if finish:
                 text += stop.flush(detok.flush() if not stop.hit else "")
+                # every emitted token but the last has surely been fed to the target
+                self._cached = ids + produced[:-1]
             yield _Record(tokens, text, stats, finish)
             if finish:
                 return

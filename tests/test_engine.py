@@ -212,3 +212,27 @@ def test_stop_string_split_across_chunks_is_held_back():
     assert s.feed("Dx") == "" and s.hit
     t = _StopStrings(["END"])
     assert t.feed("xE") == "x" and t.feed("Q") == "EQ" and t.flush("E") == "E"
+
+
+@pytest.mark.parametrize("drafter", ["chain3", "tree8"])
+def test_chat_turns_reuse_the_kv_cache(engine, demo_bundle, drafter):
+    """Turn 2 extends turn 1's conversation: its prefill feeds only the new tokens, and
+    the answer equals a fresh engine's, which prefills everything."""
+    history = [{"role": "user", "content": "Write a Python function `flatten`."}]
+    first = engine.generate(engine.tokenizer.encode_chat(history), max_new_tokens=24,
+                            **DRAFTERS[drafter])
+    history += [{"role": "assistant", "content": first.text},
+                {"role": "user", "content": "Now write `unflatten`."}]
+    ids = engine.tokenizer.encode_chat(history)
+    second = engine.generate(ids, max_new_tokens=24, **DRAFTERS[drafter])
+    assert second.stats.reused_tokens > len(engine.tokenizer.encode_chat(history[:1])) - 2
+    fresh = edgespec.load(demo_bundle).generate(ids, max_new_tokens=24, **DRAFTERS[drafter])
+    assert fresh.stats.reused_tokens == 0
+    assert second.token_ids == fresh.token_ids
+
+
+def test_a_different_prompt_reuses_nothing_wrongly(engine):
+    a = engine.generate("def alpha(x):", max_new_tokens=16, mode="ar")
+    b = engine.generate("class Beta:", max_new_tokens=16, mode="ar")
+    again = engine.generate("def alpha(x):", max_new_tokens=16, mode="ar")
+    assert again.token_ids == a.token_ids and b.stats.reused_tokens <= 1

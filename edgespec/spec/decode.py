@@ -25,9 +25,12 @@ from edgespec.spec.tree import verify_tree
 
 def prefill(target: Model, ids: list[int], params: SamplingParams, rng: np.random.Generator,
             stats: GenerationStats) -> int:
+    """Feed the prompt and draw the first token. The caller decides how much of `ids`
+    the target's cache already holds (a previous chat turn): only the rest is fed."""
     t0 = time.perf_counter()
-    target.cache.reset()
-    logits = target.forward(ids)
+    held = target.cache.length
+    assert held < len(ids), "the cache must leave at least the prompt's last token to feed"
+    logits = target.forward(ids[held:])
     stats.target_passes += 1
     stats.prefill_s = time.perf_counter() - t0
     return sample(logits[-1], params, rng)

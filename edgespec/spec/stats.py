@@ -10,6 +10,7 @@ from typing import Any
 class GenerationStats:
     mode: str
     prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens whose KV was kept from the previous generation
     new_tokens: int = 0
     target_passes: int = 0
     draft_passes: int = 0
