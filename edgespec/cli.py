@@ -127,6 +127,11 @@ def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temper
         err.print(f"[dim]{_stats_line(record.stats.to_dict())}[/dim]")
 
 
+CHAT_HELP = ("commands: /reset (new conversation), /stats (last answer's numbers), "
+             "/mode ar|spec|lookup, /temp T, /statsline (toggle the line after answers), "
+             "/exit; Ctrl-C stops an answer, Ctrl-D leaves")
+
+
 @cli.command()
 @model_option
 @device_option
@@ -136,39 +141,82 @@ def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temper
 @click.option("--no-stats", is_flag=True, help="Do not print a stats line after each answer.")
 def chat(model: Path | None, device: str, mode: str, temperature: float,
          max_new_tokens: int, no_stats: bool) -> None:
-    """Chat in the terminal with the bundle's chat template (Ctrl-D exits)."""
-    from edgespec.engine import GenerationConfig, load
+    """Chat in the terminal with the bundle's chat template.
+
+    Each turn re-renders the conversation, and the engine reuses the KV cache of
+    everything the previous turns already fed, so only the new text is prefilled.
+    """
+    import signal
+
+    from edgespec.engine import MODES, GenerationConfig, load
 
     engine = load(model, device=device)
+    if mode == "spec" and engine.draft is None:
+        mode = "ar"
     history: list[dict[str, str]] = []
-    err.print("[dim]edgespec chat: /reset clears the conversation, Ctrl-D exits[/dim]")
+    settings = {"mode": mode, "temperature": temperature, "statsline": not no_stats}
+    last = None
+    err.print(f"[dim]edgespec chat ({mode}, {engine.target.device}). {CHAT_HELP}[/dim]")
     while True:
         try:
             line = input(">>> ")
         except EOFError:
             click.echo()
             return
-        if line.strip() == "/reset":
+        except KeyboardInterrupt:
+            click.echo()
+            continue
+        command, _, arg = line.strip().partition(" ")
+        if command == "/exit":
+            return
+        if command == "/reset":
             history.clear()
+            continue
+        if command == "/stats":
+            err.print(escape(json.dumps(last, indent=1)) if last else "no answer yet.")
+            continue
+        if command == "/statsline":
+            settings["statsline"] = not settings["statsline"]
+            continue
+        if command == "/mode":
+            if arg not in MODES or (arg == "spec" and engine.draft is None):
+                err.print(f"modes: {', '.join(MODES)} (spec needs a draft).")
+            else:
+                settings["mode"] = arg
+            continue
+        if command == "/temp":
+            try:
+                settings["temperature"] = max(0.0, float(arg))
+            except ValueError:
+                err.print("usage: /temp 0.7")
+            continue
+        if command.startswith("/"):
+            err.print(CHAT_HELP)
             continue
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        ids = engine.tokenizer.encode_chat(history)
-        config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
-                                  mode=mode)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, mode=settings["mode"],
+                                  temperature=settings["temperature"])
         reply, record = [], None
+        previous = signal.signal(signal.SIGINT, lambda *_: engine.cancel())
         try:
-            for record in engine.records(ids, config):
+            for record in engine.records(engine.tokenizer.encode_chat(history), config):
                 reply.append(record.text)
                 click.echo(record.text, nl=False)
                 sys.stdout.flush()
-        except KeyboardInterrupt:
-            engine.cancel()
+        except EdgespecError as e:  # e.g. the conversation outgrew the context
+            history.pop()
+            err.print(f"[red]error:[/red] {escape(str(e))} (/reset starts over)")
+            continue
+        finally:
+            signal.signal(signal.SIGINT, previous)
         click.echo()
         history.append({"role": "assistant", "content": "".join(reply)})
-        if record is not None and not no_stats:
-            err.print(f"[dim]{_stats_line(record.stats.to_dict())}[/dim]")
+        if record is not None:
+            last = record.stats.to_dict()
+            if settings["statsline"]:
+                err.print(f"[dim]{_stats_line(last)}[/dim]")
 
 
 @cli.command()

@@ -129,11 +129,3 @@ def test_import_is_light():
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stderr
-
-
-def test_chat_answers_each_turn_and_exits_on_eof():
-    out = run("chat", "--max-new-tokens", "12", "--mode", "ar",
-              stdin="Write a Python function `add`: Add two numbers.\n/reset\nhi\n")
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.count(">>> ") == 4  # three inputs, then the prompt that meets EOF
-    assert out.stderr.count("tok/s") == 2  # a stats line per answer; /reset answers nothing

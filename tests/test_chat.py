@@ -1,0 +1,59 @@
+"""`edgespec chat` driven through a real pseudo-terminal, as a person would use it."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pexpect
+import pytest
+
+PROMPT = ">>> "
+
+
+@pytest.fixture
+def chat():
+    child = pexpect.spawn(sys.executable, ["-m", "edgespec.cli", "chat", "--mode", "ar",
+                                           "--max-new-tokens", "400"],
+                          encoding="utf-8", timeout=120, dimensions=(40, 200))
+    child.expect_exact(PROMPT)
+    yield child
+    child.close(force=True)
+
+
+def test_turns_stats_and_exit(chat):
+    chat.sendline("Write a Python function `add`: Add two numbers.")
+    chat.expect(r"tok/s.*\[ar, cpu\]")  # the stats line after the answer
+    chat.expect_exact(PROMPT)
+    chat.sendline("/stats")
+    chat.expect(r"\{.*\"mode\": \"ar\".*\}", timeout=30)
+    chat.expect_exact(PROMPT)
+    chat.sendline("/mode lookup")
+    chat.expect_exact(PROMPT)
+    chat.sendline("/statsline")
+    chat.expect_exact(PROMPT)
+    chat.sendline("and subtract?")
+    chat.expect_exact(PROMPT)
+    assert "tok/s" not in chat.before  # the stats line is off now
+    chat.sendline("/stats")
+    chat.expect_exact(PROMPT)
+    stats = json.loads(chat.before[chat.before.index("{"):chat.before.rindex("}") + 1])
+    assert stats["mode"] == "lookup" and stats["reused_tokens"] > 0  # turn 1's KV reused
+    chat.sendeof()
+    chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0
+
+
+def test_ctrl_c_stops_the_answer_not_the_chat(chat):
+    chat.sendline("Write a long Python module.")
+    chat.expect(r"\S{8}")  # the answer is streaming
+    chat.sendintr()
+    chat.expect(r"tok/s")
+    chat.expect_exact(PROMPT)
+    chat.sendline("/stats")
+    chat.expect_exact(PROMPT)
+    stats = json.loads(chat.before[chat.before.index("{"):chat.before.rindex("}") + 1])
+    assert stats["new_tokens"] < 400  # cut short
+    chat.sendline("/exit")
+    chat.expect(pexpect.EOF)
