@@ -171,6 +171,7 @@ def chat(model: Path | None, device: str, mode: str, temperature: float,
             return
         if command == "/reset":
             history.clear()
+            engine.reset()
             continue
         if command == "/stats":
             err.print(escape(json.dumps(last, indent=1)) if last else "no answer yet.")
@@ -240,10 +241,26 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None, device:
 @model_option
 @device_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def bench(model: Path | None, device: str, as_json: bool) -> None:
-    """Benchmark every decoding mode on the shipped prompt set."""
-    raise EdgespecError("`edgespec bench` is not implemented in this version yet; "
-                        "`edgespec generate --json` reports per-run speed.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=2))
+@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N prompts.")
+def bench(model: Path | None, device: str, as_json: bool, max_new_tokens: int,
+          limit: int | None) -> None:
+    """Benchmark every decoding mode on the shipped prompt set (50 prompts, 5 categories)."""
+    from rich.progress import Progress
+
+    from edgespec.bench import print_table, run_bench
+    from edgespec.engine import load
+
+    engine = load(model, device=device)
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=None)
+        report = run_bench(engine, max_new_tokens, limit,
+                           lambda done, total: progress.update(task, completed=done,
+                                                               total=total))
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+    else:
+        print_table(report, Console())
 
 
 @cli.command()

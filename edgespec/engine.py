@@ -173,6 +173,10 @@ class Engine:
         """Stop the running generation after its current pass (safe from any thread)."""
         self._cancel.set()
 
+    def reset(self) -> None:
+        """Forget the previous conversation: the next prompt is prefilled in full."""
+        self._cached = []
+
     def close(self) -> None:
         """Release the ONNX Runtime sessions and their KV buffers."""
         self.target = self.draft = None  # type: ignore[assignment]

@@ -129,3 +129,25 @@ def test_import_is_light():
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_bench_json_runs_every_mode_losslessly():
+    out = run("bench", "--limit", "3", "--max-new-tokens", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    modes = {r["mode"] for r in report["rows"]}
+    assert {"ar", "chain γ=4", "chain adaptive", "tree 16", "lookup"} <= modes
+    assert all(r["greedy_differs_from_ar"] == 0 for r in report["rows"])
+    assert all(r["speedup_vs_ar"] == 1.0 for r in report["rows"] if r["mode"] == "ar")
+    spec = next(r for r in report["rows"] if r["mode"] == "chain γ=4" and
+                r["category"] == "all")
+    assert spec["tokens_per_target_pass"] > 1
+
+
+def test_bench_prompt_set_is_shipped():
+    from edgespec.bench import load_prompts
+
+    prompts = load_prompts()
+    assert len(prompts) >= 40
+    assert {p["category"] for p in prompts} == {"completion", "editing", "docstring", "chat",
+                                                "summarization"}
