@@ -9,8 +9,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from edgespec.engine import Engine, GenerationConfig, GenerationResult, load  # noqa: E402
+from edgespec.engine import Engine, GenerationConfig, GenerationResult, Job, load  # noqa: E402
 from edgespec.errors import EdgespecError  # noqa: E402
 
-__all__ = ["EdgespecError", "Engine", "GenerationConfig", "GenerationResult", "load",
+__all__ = ["EdgespecError", "Engine", "GenerationConfig", "GenerationResult", "Job", "load",
            "__version__"]

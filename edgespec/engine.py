@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
@@ -162,7 +162,8 @@ class Engine:
                                      max_len=self.target.max_len, threads=threads)
                       if m.draft else None)
         self.eos_ids = set(m.eos_token_ids)
-        self._cancel = threading.Event()
+        self._active = threading.Event()  # the running generation's cancel flag
+        self._busy = threading.Lock()  # one generation at a time: they share the KV cache
         self._cached: list[int] = []  # tokens whose KV the target cache holds, in order
 
     @property
@@ -171,7 +172,7 @@ class Engine:
 
     def cancel(self) -> None:
         """Stop the running generation after its current pass (safe from any thread)."""
-        self._cancel.set()
+        self._active.set()
 
     def reset(self) -> None:
         """Forget the previous conversation: the next prompt is prefilled in full."""
@@ -203,12 +204,46 @@ class Engine:
 
     def records(self, prompt: str | list[int], config: GenerationConfig | None = None,
                 **kwargs: Any) -> Iterator[_Record]:
-        """The core generator: one record per target pass."""
+        """The core generator: one record per target pass.
+
+        Generations from several threads are serialized (they share the KV cache): a
+        second one waits until the first finishes or is cancelled.
+        """
         if self.target is None:
             raise EdgespecError("this engine was closed; load the bundle again.")
+        cancel = kwargs.pop("_cancel", None) or threading.Event()
         config = self._config(config, kwargs)
+        with self._busy:
+            self._active = cancel
+            yield from self._records(prompt, config, cancel)
+
+    def submit(self, prompt: str | list[int], on_text: Callable[[str], None] | None = None,
+               on_done: Callable[[GenerationResult], None] | None = None,
+               config: GenerationConfig | None = None, **kwargs: Any) -> Job:
+        """Generate in a worker thread, for GUIs: `on_text` gets each chunk, `on_done` the
+        result (both called from the worker: hand them to your UI thread's queue). The
+        returned Job can be cancelled and waited for."""
+        job = Job()
+        config = self._config(config, kwargs)  # bad settings raise here, not in the worker
+
+        def work() -> None:
+            try:
+                records = self.records(prompt, config, _cancel=job._cancel)
+                job._result = self._collect(records, on_text)
+                if on_done:
+                    on_done(job._result)
+            except BaseException as e:  # the caller sees it through Job.result()
+                job._error = e
+            finally:
+                job._finished.set()
+
+        job._thread = threading.Thread(target=work, name="edgespec-generate", daemon=True)
+        job._thread.start()
+        return job
+
+    def _records(self, prompt: str | list[int], config: GenerationConfig,
+                 cancel: threading.Event) -> Iterator[_Record]:
         ids = self.encode_prompt(prompt)
-        self._cancel.clear()
         # a prompt extending the previous conversation reuses its KV cache (chat turns)
         reuse = 0
         for a, b in zip(ids[:-1], self._cached, strict=False):
@@ -257,7 +292,7 @@ class Engine:
             produced += tokens
             stats.new_tokens = len(produced)
             stats.wall_s = time.perf_counter() - start
-            if finish is None and self._cancel.is_set():
+            if finish is None and cancel.is_set():
                 finish = "cancelled"
             if finish:
                 text += stop.flush(detok.flush() if not stop.hit else "")
@@ -277,15 +312,50 @@ class Engine:
     def generate(self, prompt: str | list[int], config: GenerationConfig | None = None,
                  **kwargs: Any) -> GenerationResult:
         """Generate a continuation of `prompt` (text, or token ids)."""
+        return self._collect(self.records(prompt, config, **kwargs))
+
+    @staticmethod
+    def _collect(records: Iterator[_Record],
+                 on_text: Callable[[str], None] | None = None) -> GenerationResult:
         token_ids: list[int] = []
         text: list[str] = []
         record = None
-        for record in self.records(prompt, config, **kwargs):
+        for record in records:
             token_ids += record.tokens
             text.append(record.text)
+            if on_text and record.text:
+                on_text(record.text)
         assert record is not None
         return GenerationResult("".join(text), token_ids, record.stats,
                                 record.finish_reason or "length")
+
+
+class Job:
+    """A generation running in a worker thread (see Engine.submit)."""
+
+    def __init__(self):
+        self._cancel = threading.Event()
+        self._finished = threading.Event()
+        self._result: GenerationResult | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def cancel(self) -> None:
+        """Stop after the current target pass (or right away if it has not started);
+        the result then says "cancelled"."""
+        self._cancel.set()
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Wait for the result; re-raises what the generation raised."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError("the generation is still running")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
 
 
 def load(path: Path | str | None = None, providers: list[str] | None = None,

@@ -236,3 +236,34 @@ def test_a_different_prompt_reuses_nothing_wrongly(engine):
     b = engine.generate("class Beta:", max_new_tokens=16, mode="ar")
     again = engine.generate("def alpha(x):", max_new_tokens=16, mode="ar")
     assert again.token_ids == a.token_ids and b.stats.reused_tokens <= 1
+
+
+def test_submit_runs_in_a_worker_with_callbacks(engine):
+    chunks, done = [], []
+    job = engine.submit(PROMPTS[0], max_new_tokens=30, on_text=chunks.append,
+                        on_done=done.append)
+    result = job.result(timeout=60)
+    assert job.done() and done == [result]
+    assert "".join(chunks) == result.text == engine.generate(PROMPTS[0], max_new_tokens=30).text
+
+
+def test_jobs_are_serialized_and_cancel_their_own_generation(engine):
+    long = engine.submit(PROMPTS[1], max_new_tokens=400, mode="ar")
+    short = engine.submit(PROMPTS[0], max_new_tokens=8)
+    long.cancel()
+    assert long.result(timeout=60).finish_reason == "cancelled"
+    assert short.result(timeout=60).finish_reason in ("length", "stop")  # not cancelled
+    with pytest.raises(EdgespecError, match="temperature"):
+        engine.submit("x", temperature=-1)
+
+
+def test_example_script_runs():
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = subprocess.run([sys.executable, str(REPO / "examples" / "desktop_worker.py")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "tokens per target pass" in out.stdout
