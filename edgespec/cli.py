@@ -58,19 +58,41 @@ def cli() -> None:
               help="Quantized matmuls: 4 = int8 activations (fast on CPU), 0 = fp32.")
 @click.option("--quant", type=click.Choice(["sym", "asym"]), default="sym", show_default=True,
               help="int4/int2 blocks: symmetric, or with a zero point each.")
+@click.option("--vocab-trim", type=click.IntRange(min=1),
+              help="Keep only the K most frequent tokens in the draft's LM head.")
+@click.option("--trim-source", default="target", show_default=True,
+              help="Where frequencies come from: 'target' (its own generations) or "
+                   "'corpus:PATH' (a text file or a folder).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow downloading model code files.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
 def export(target: str, draft: str | None, out: Path, precision: str,
            draft_precision: str | None, block_size: str, ep_profile: str, accuracy_level: str,
-           quant: str, trust_remote_code: bool, overwrite: bool) -> None:
+           quant: str, vocab_trim: int | None, trim_source: str, trust_remote_code: bool,
+           overwrite: bool) -> None:
     """Export a Hugging Face TARGET (directory or Hub id) and a draft into a bundle."""
     from edgespec.export import export as run_export
 
     run_export(target, out, draft=draft, precision=precision,
                draft_precision=draft_precision, block_size=int(block_size),
                ep_profile=ep_profile, accuracy_level=int(accuracy_level),
-               symmetric=quant == "sym", overwrite=overwrite,
+               symmetric=quant == "sym", vocab_trim=vocab_trim, trim_source=trim_source,
+               overwrite=overwrite,
                trust_remote_code=trust_remote_code, console=err)
+
+
+@cli.command("vocab-trim")
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--k", "k", required=True, type=click.IntRange(min=1),
+              help="Tokens to keep in the draft's LM head.")
+@click.option("--trim-source", default="target", show_default=True,
+              help="'target' (its own generations) or 'corpus:PATH'.")
+def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
+    """Re-trim an exported BUNDLE's draft head to the K most frequent tokens (in place)."""
+    from edgespec.export.vocab_trim import retrim_bundle
+
+    m = retrim_bundle(bundle, k, trim_source)
+    err.print(f"{bundle}: the draft now proposes among {m.draft.vocab_size} of "
+              f"{m.target.vocab_size} tokens.")
 
 
 @cli.command()

@@ -32,6 +32,7 @@ from edgespec.spec import (
     tree_decode,
 )
 from edgespec.spec.adaptive import STOP_RULES, GammaController
+from edgespec.spec.drafters import TrimmedModel
 from edgespec.tokenizer import Tokenizer
 
 MODES = ("ar", "spec", "lookup")
@@ -161,6 +162,12 @@ class Engine:
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, providers, device,
                                      max_len=self.target.max_len, threads=threads)
                       if m.draft else None)
+        if self.draft is not None and m.vocab_map:
+            kept = np.load(self.path / m.vocab_map)
+            if kept.shape != (m.draft.vocab_size,) or kept.max() >= m.target.vocab_size:
+                raise EdgespecError(f"{self.path / m.vocab_map} does not match the draft's "
+                                    "head; re-export the bundle.")
+            self.draft = TrimmedModel(self.draft, kept, m.target.vocab_size)
         self.eos_ids = set(m.eos_token_ids)
         self._active = threading.Event()  # the running generation's cancel flag
         self._busy = threading.Lock()  # one generation at a time: they share the KV cache

@@ -23,6 +23,9 @@ from edgespec.export.architectures import adapter_for
 from edgespec.export.checkpoint import load_checkpoint
 from edgespec.export.graph import build_decoder
 from edgespec.export.hub import resolve_checkpoint
+from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
+from edgespec.quant.vocab_trim import kept_tokens
+from edgespec.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja")
@@ -63,7 +66,7 @@ def check_same_vocab(target: Path, draft: Path) -> None:
 
 def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_size: int,
                   accuracy_level: int, ep_profile: str, symmetric: bool,
-                  progress: Progress) -> ModelEntry:
+                  progress: Progress, head_rows: np.ndarray | None = None) -> ModelEntry:
     task = progress.add_task(f"{role}: loading {ckpt_dir.name}", total=None)
     adapter = adapter_for(load_checkpoint(ckpt_dir))
     spec = adapter.spec
@@ -75,8 +78,11 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
     params = adapter.ckpt.num_params()
     progress.update(task, total=spec.num_layers + 1, completed=0,
                     description=f"{role}: building {precision} graph")
+    head = adapter.lm_head()
+    if head_rows is not None:
+        head = head[head_rows]
     model = build_decoder(spec, adapter.embeddings(), adapter.layers(), adapter.final_norm(),
-                          adapter.lm_head(), precision, block_size, accuracy_level,
+                          head, precision, block_size, accuracy_level,
                           dtype=PROFILE_DTYPE[ep_profile], attention=attention,
                           symmetric=symmetric,
                           on_layer=lambda i: progress.advance(task))
@@ -90,15 +96,43 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
         architecture=spec.architecture, precision=precision,
         block_size=None if precision in ("fp32", "fp16") else block_size,
         kv_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+        vocab_size=int(head.shape[0]), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         max_positions=spec.max_positions, params=params, source=str(ckpt_dir))
+
+
+def vocab_counts(graph: Path, target: ModelEntry, tokenizer_dir: Path, source: str,
+                 prompts: list[str] | None) -> np.ndarray:
+    """Token frequencies for VocabTrim from the target's generations or a corpus."""
+    tokenizer = Tokenizer.from_dir(tokenizer_dir)
+    if source == "target":
+        return target_counts(graph, target, tokenizer, prompts or default_prompts())
+    if source.startswith("corpus:"):
+        return corpus_counts(Path(source.removeprefix("corpus:")), tokenizer,
+                             target.vocab_size)
+    raise EdgespecError(f"trim source '{source}' is neither 'target' nor 'corpus:PATH'.")
+
+
+def _vocab_to_keep(tmp: Path, target_dir: Path, target: ModelEntry, eos_ids: list[int],
+                   k: int, source: str, prompts: list[str] | None,
+                   progress: Progress) -> np.ndarray | None:
+    """The draft head's rows to keep (None when K covers the whole vocabulary)."""
+    if k >= target.vocab_size:
+        return None
+    task = progress.add_task(f"vocab trim: counting tokens ({source})", total=None)
+    counts = vocab_counts(tmp / target.graph, target, target_dir, source, prompts)
+    progress.update(task, total=1, completed=1, description=f"vocab trim: keeping {k} tokens")
+    try:
+        return kept_tokens(counts, k, special_ids(target_dir, eos_ids))
+    except ValueError as e:
+        raise EdgespecError(f"--vocab-trim: {e}; choose a larger K.") from None
 
 
 def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
            precision: str = "int8", draft_precision: str | None = None, block_size: int = 32,
            ep_profile: str = "cpu", accuracy_level: int = 4, symmetric: bool = True,
-           overwrite: bool = False,
+           vocab_trim: int | None = None, trim_source: str = "target",
+           trim_prompts: list[str] | None = None, overwrite: bool = False,
            trust_remote_code: bool = False, console: Console | None = None) -> Manifest:
     """Export a target (and optionally a draft) checkpoint into a bundle at `out`.
 
@@ -108,6 +142,9 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     kernel. Losslessness is unaffected: speculation is exact w.r.t. the graph that runs.
     `symmetric=False` gives int4/int2 blocks a zero point of their own (int8 stays
     symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points).
+    `vocab_trim=K` keeps only K rows of the draft's LM head, the tokens most frequent in
+    the target's own generations (`trim_source="target"`, prompts from `trim_prompts`
+    or a built-in set) or in a corpus (`trim_source="corpus:PATH"`).
     """
     console = console or Console(stderr=True)
     draft_precision = draft_precision or precision
@@ -150,8 +187,14 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                 *columns, console=console, transient=True) as progress:
             target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, symmetric, progress)
+            kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
+                                   trim_source, trim_prompts, progress)
+                    if draft_dir and vocab_trim else None)
+            if kept is not None:
+                np.save(tmp / "draft_vocab.npy", kept)
             draft_entry = (_export_model(draft_dir, "draft", tmp, draft_precision, block_size,
-                                         accuracy_level, ep_profile, symmetric, progress)
+                                         accuracy_level, ep_profile, symmetric, progress,
+                                         head_rows=kept)
                            if draft_dir else None)
             tok_files = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
             for f in tok_files:
@@ -159,13 +202,16 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
             manifest = finish(Manifest(
                 target=target_entry, draft=draft_entry, ep_profile=ep_profile,
                 tokenizer_files=tok_files, eos_token_ids=eos_ids,
+                vocab_map="draft_vocab.npy" if kept is not None else None,
                 bos_token_id=gen_cfg.get("bos_token_id", config.get("bos_token_id")),
                 provenance={"edgespec": __version__, "onnx": onnx.__version__,
                             "onnxruntime": onnxruntime.__version__,
                             "python": platform.python_version(),
                             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                             "target": str(target), "draft": str(draft) if draft else None,
-                            "accuracy_level": accuracy_level, "symmetric": symmetric}))
+                            "accuracy_level": accuracy_level, "symmetric": symmetric,
+                            "vocab_trim": vocab_trim and {"k": vocab_trim,
+                                                          "source": trim_source}}))
             sizes = {name: (tmp / name).stat().st_size for name in manifest.files}
     except OSError as e:  # disk full, permissions, a vanished directory
         raise EdgespecError(f"could not write the bundle {out} ({e.strerror or e}); nothing "

@@ -194,8 +194,9 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, s_dim]),
               helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT,
                                             [1, 1, s_dim, t_dim])]
+    # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                             [1, s_dim, spec.vocab_size])]
+                                             [1, s_dim, lm_head.shape[0]])]
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", g.onnx_dtype,

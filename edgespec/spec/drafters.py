@@ -184,3 +184,29 @@ class TreeDrafter:
             tree = expand(root_logits, step, params, self.top_k, depth, budget)
         tree.graft(chain)
         return tree
+
+
+class TrimmedModel:
+    """A draft whose LM head covers only `kept` token ids (VocabTrim), seen by every
+    drafter as a full-vocabulary model: the other ids get -inf logits, hence q = 0, and
+    verification against the full-vocabulary target stays exactly as lossless."""
+
+    def __init__(self, model: Model, kept: np.ndarray, vocab_size: int):
+        self.model = model
+        self.kept = np.asarray(kept, dtype=np.int64)
+        self.vocab_size = vocab_size
+
+    @property
+    def cache(self) -> Cache:
+        return self.model.cache
+
+    @property
+    def max_len(self) -> int:
+        return self.model.max_len
+
+    def forward(self, ids: list[int], positions: np.ndarray | None = None,
+                bias: np.ndarray | None = None) -> np.ndarray:
+        small = self.model.forward(ids, positions, bias)
+        full = np.full((small.shape[0], self.vocab_size), NEG_INF, dtype=np.float32)
+        full[:, self.kept] = small
+        return full

@@ -1,0 +1,129 @@
+"""Counting token frequencies for VocabTrim: on the target's own generations, or a corpus.
+
+VocabTrim (arXiv 2506.22694) found target-generated text the best source: the draft
+should cover what the target says, not what a corpus says. The exported target runs here
+through edgespec's own runtime, sampling continuations of a prompt set.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from importlib.resources import files
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from edgespec.bundle import Manifest, ModelEntry, read_manifest, write_bundle
+from edgespec.errors import EdgespecError
+from edgespec.quant.vocab_trim import count_tokens, kept_tokens
+from edgespec.runtimes import DecoderSession
+from edgespec.spec import GenerationStats, SamplingParams, ar_decode
+from edgespec.tokenizer import Tokenizer
+
+
+def default_prompts() -> list[str]:
+    return [line for line in (files("edgespec") / "assets" / "trim_prompts.txt")
+            .read_text().splitlines() if line.strip()]
+
+
+def target_counts(graph: Path, entry: ModelEntry, tokenizer: Tokenizer, prompts: list[str],
+                  new_tokens: int = 128, seed: int = 0) -> np.ndarray:
+    """Frequencies of the tokens the target samples (T=0.8) after each prompt."""
+    session = DecoderSession(graph, entry, ["CPUExecutionProvider"],
+                             max_len=min(entry.max_positions, 4096))
+    rng = np.random.default_rng(seed)
+    sequences = []
+    for prompt in prompts:
+        ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}])
+               if tokenizer.chat_template else tokenizer.encode(prompt))
+        ids = ids[:session.max_len // 2]
+        session.cache.reset()
+        out: list[int] = []
+        steps = ar_decode(session, ids, SamplingParams(0.8), rng, GenerationStats("ar"))
+        for tokens in steps:
+            out += tokens
+            if len(out) >= min(new_tokens, session.max_len - len(ids) - 1):
+                break
+        steps.close()
+        sequences.append(out)
+    return count_tokens(sequences, entry.vocab_size)
+
+
+def corpus_counts(path: Path, tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
+    """Frequencies over a text file, or every .txt/.md/.py/.json file under a folder."""
+    if not path.exists():
+        raise EdgespecError(f"the trim corpus {path} does not exist.")
+    paths = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.suffix in (".txt", ".md", ".py", ".json"))
+    if not paths:
+        raise EdgespecError(f"the trim corpus {path} holds no .txt/.md/.py/.json files.")
+    return count_tokens((tokenizer.encode(p.read_text(errors="replace"),
+                                          add_special_tokens=False) for p in paths),
+                        vocab_size)
+
+
+def special_ids(tokenizer_dir: Path, eos_ids: list[int]) -> list[int]:
+    added = json.loads((tokenizer_dir / "tokenizer.json").read_text()).get("added_tokens", [])
+    return [t["id"] for t in added if t.get("special", True)] + list(eos_ids)
+
+
+def _slice_head(model: onnx.ModelProto, rows: np.ndarray) -> None:
+    """Keep `rows` of the graph's LM head, whatever precision it was exported in."""
+    inits = {t.name: t for t in model.graph.initializer}
+
+    def replace(name: str, array: np.ndarray) -> None:
+        inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array), name))
+
+    if "lm_head.weight" in inits:  # MatMul: stored transposed, [hidden, rows]
+        replace("lm_head.weight", numpy_helper.to_array(inits["lm_head.weight"])[:, rows])
+    else:  # MatMulNBits: one row of packed blocks, scales (and zero points) per output
+        qweight = numpy_helper.to_array(inits["lm_head.qweight"])
+        replace("lm_head.qweight", qweight[rows])
+        for name in ("lm_head.scales", "lm_head.zp"):
+            if name in inits:
+                values = numpy_helper.to_array(inits[name])
+                replace(name, values.reshape(qweight.shape[0], -1)[rows].reshape(-1))
+        node = next(n for n in model.graph.node if n.name == "lm_head")
+        next(a for a in node.attribute if a.name == "N").i = len(rows)
+    logits = next(o for o in model.graph.output if o.name == "logits")
+    logits.type.tensor_type.shape.dim[2].dim_value = len(rows)
+
+
+def retrim_bundle(bundle: Path, k: int, source: str = "target",
+                  prompts: list[str] | None = None) -> Manifest:
+    """Re-trim an exported bundle's draft head to K tokens, in place (atomically).
+
+    Rows already trimmed away cannot come back: K may only shrink the kept set.
+    """
+    from edgespec.export import vocab_counts  # the same counting as export
+
+    m = read_manifest(bundle)
+    if m.draft is None:
+        raise EdgespecError(f"{bundle} has no draft model to trim.")
+    current = (np.load(bundle / m.vocab_map) if m.vocab_map
+               else np.arange(m.draft.vocab_size))
+    if k >= len(current):
+        raise EdgespecError(f"the draft head already keeps {len(current)} tokens; "
+                            f"re-export from the checkpoint to keep {k}.")
+    counts = vocab_counts(bundle / m.target.graph, m.target, bundle, source, prompts)
+    counts_in_head = np.full_like(counts, -1)
+    counts_in_head[current] = counts[current]  # only rows the head still has
+    kept = kept_tokens(counts_in_head, k, special_ids(bundle, m.eos_token_ids))
+    rows = np.searchsorted(current, kept)
+    draft = onnx.load(bundle / m.draft.graph)
+    _slice_head(draft, rows)
+    with write_bundle(bundle, overwrite=True) as (tmp, finish):
+        for name in m.files:
+            if name not in (m.draft.graph, *m.draft.data_files, m.vocab_map):
+                shutil.copy2(bundle / name, tmp / name)
+        onnx.save_model(draft, tmp / m.draft.graph, save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=m.draft.data_files[0],
+                        size_threshold=1024)
+        np.save(tmp / "draft_vocab.npy", kept)
+        m.draft.vocab_size = len(kept)
+        m.vocab_map = "draft_vocab.npy"
+        m.provenance["vocab_trim"] = {"k": k, "source": source, "retrimmed": True}
+        return finish(m)

@@ -1,0 +1,128 @@
+"""VocabTrim: the draft proposes among K tokens, the target still decides among all."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edgespec
+from edgespec.bundle import read_manifest
+from edgespec.errors import EdgespecError
+from edgespec.export import export
+from edgespec.quant.vocab_trim import count_tokens, kept_tokens
+from edgespec.runtimes import DecoderSession
+from edgespec.spec import GenerationStats, ModelDrafter, SamplingParams, chain_decode
+from edgespec.spec.drafters import TrimmedModel
+from tests.test_spec import MarkovModel, V, assert_matches, exact_distribution, tables, take
+
+
+def test_kept_tokens_keeps_specials_then_the_most_frequent():
+    counts = count_tokens([[5, 5, 5, 3, 3, 7], [3, 9]], vocab_size=12)
+    assert counts[3] == 3 and counts[5] == 3 and counts[9] == 1
+    assert kept_tokens(counts, 4, always=[0, 11]).tolist() == [0, 3, 5, 11]  # tie: lower id
+    assert kept_tokens(counts, 5, always=[0]).tolist() == [0, 3, 5, 7, 9]
+    with pytest.raises(ValueError, match="smaller than the 3 special tokens"):
+        kept_tokens(counts, 2, always=[0, 1, 2])
+
+
+@pytest.fixture(scope="module")
+def trimmed_bundle(tmp_path_factory, demo_target, demo_draft):
+    out = tmp_path_factory.mktemp("trim") / "bundle"
+    export(demo_target, out, draft=demo_draft, precision="fp32", vocab_trim=1024)
+    return out
+
+
+def test_trimmed_head_is_a_row_subset_of_the_full_head(trimmed_bundle, fp32_bundle):
+    m = read_manifest(trimmed_bundle)
+    kept = np.load(trimmed_bundle / m.vocab_map)
+    assert m.draft.vocab_size == len(kept) == 1024 and m.target.vocab_size == 4096
+    assert set(m.eos_token_ids) <= set(kept.tolist())
+    full_m = read_manifest(fp32_bundle)
+    ids = np.random.default_rng(0).integers(0, 4096, 20)
+    small = DecoderSession(trimmed_bundle / "draft.onnx", m.draft,
+                           ["CPUExecutionProvider"]).forward(ids)
+    full = DecoderSession(fp32_bundle / "draft.onnx", full_m.draft,
+                          ["CPUExecutionProvider"]).forward(ids)
+    assert small.shape == (20, 1024)
+    assert np.abs(small - full[:, kept]).max() < 1e-5
+
+
+def test_target_source_keeps_what_the_target_says(trimmed_bundle, engine):
+    """Most tokens of the target's own greedy code continuations are in the kept set."""
+    kept = set(np.load(trimmed_bundle / "draft_vocab.npy").tolist())
+    out = engine.generate("def main(argv):\n", max_new_tokens=64, mode="ar").token_ids
+    assert np.mean([t in kept for t in out]) > 0.9
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode="spec"), dict(mode="spec", tree_budget=8)])
+def test_greedy_trimmed_spec_equals_ar(trimmed_bundle, kwargs):
+    engine = edgespec.load(trimmed_bundle)
+    for prompt in ("def quicksort(items):", "import os\n", "class Stack:\n"):
+        ar = engine.generate(prompt, max_new_tokens=40, mode="ar")
+        spec = engine.generate(prompt, max_new_tokens=40, **kwargs)
+        assert spec.token_ids == ar.token_ids
+        assert spec.stats.accepted > 0
+
+
+def test_sampling_with_a_trimmed_draft_is_lossless():
+    """Draft keeps 3 of 5 tokens; the target's distribution is still matched exactly, so
+    the 2 tokens the draft can never propose still appear, through the residual."""
+    target_table, draft_table = tables(10)
+    kept = np.array([0, 2, 4])
+    params = SamplingParams(1.0)
+    rng = np.random.default_rng(2)
+    samples = []
+    for _ in range(6000):
+        draft = TrimmedModel(MarkovModel(draft_table[:, kept]), kept, V)  # a 3-column head
+        gen = chain_decode(MarkovModel(target_table), ModelDrafter(draft), [0], params, 3,
+                           rng, GenerationStats("spec"))
+        samples.append(tuple(take(gen, 3)))
+    assert any(t in (1, 3) for s in samples for t in s)
+    assert_matches(samples, exact_distribution(target_table, 0, 3, params))
+
+
+def test_trim_errors(tmp_path, demo_target, demo_draft):
+    with pytest.raises(EdgespecError, match="choose a larger K"):
+        export(demo_target, tmp_path / "b", draft=demo_draft, vocab_trim=2)
+    with pytest.raises(EdgespecError, match="neither 'target' nor 'corpus:PATH'"):
+        export(demo_target, tmp_path / "b", draft=demo_draft, vocab_trim=100,
+               trim_source="wiki")
+    with pytest.raises(EdgespecError, match="does not exist"):
+        export(demo_target, tmp_path / "b", draft=demo_draft, vocab_trim=100,
+               trim_source=f"corpus:{tmp_path / 'none'}")
+    assert not (tmp_path / "b").exists()
+
+
+def test_corpus_source(tmp_path, demo_target, demo_draft):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("lambda lambda lambda yield yield\n" * 50)
+    export(demo_target, tmp_path / "b", draft=demo_draft, vocab_trim=64,
+           trim_source=f"corpus:{corpus}")
+    kept = set(np.load(tmp_path / "b" / "draft_vocab.npy").tolist())
+    tok = edgespec.load(tmp_path / "b").tokenizer
+    assert set(tok.encode("lambda yield", add_special_tokens=False)) <= kept
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_retrim_an_exported_bundle(tmp_path, demo_target, demo_draft, precision):
+    import subprocess
+    import sys
+
+    export(demo_target, tmp_path / "b", draft=demo_draft, precision=precision)
+    full = edgespec.load(tmp_path / "b")
+    ids = [0, 17, 300, 41]
+    full_logits = full.draft.forward(ids)
+    out = subprocess.run([sys.executable, "-m", "edgespec.cli", "vocab-trim",
+                          str(tmp_path / "b"), "--k", "512"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    trimmed = edgespec.load(tmp_path / "b")  # verifies every file's sha256 too
+    kept = np.load(tmp_path / "b" / "draft_vocab.npy")
+    assert trimmed.manifest.draft.vocab_size == 512 == len(kept)
+    got = trimmed.draft.forward(ids)  # full-vocabulary view: -inf outside the kept ids
+    assert np.abs(got[:, kept] - full_logits[:, kept]).max() < 1e-5
+    assert (np.delete(got, kept, axis=1) < -1e30).all()
+    ar = trimmed.generate("def f(x):", max_new_tokens=24, mode="ar")
+    assert trimmed.generate("def f(x):", max_new_tokens=24).token_ids == ar.token_ids
+    again = subprocess.run([sys.executable, "-m", "edgespec.cli", "vocab-trim",
+                            str(tmp_path / "b"), "--k", "1024"], capture_output=True, text=True)
+    assert again.returncode == 1 and "already keeps 512" in again.stderr
