@@ -109,7 +109,6 @@ class _Record:
     text: str
     stats: GenerationStats
     finish_reason: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _StopStrings:
@@ -143,7 +142,8 @@ class _StopStrings:
 
 
 class Engine:
-    """A loaded bundle, ready to generate. Not thread-safe: one generation at a time."""
+    """A loaded bundle, ready to generate. Generations from several threads are
+    serialized: they share one KV cache."""
 
     def __init__(self, path: Path | str | None = None, device: str = "auto",
                  providers: list[str] | None = None, verify: bool = True, threads: int = 0,
@@ -216,10 +216,12 @@ class Engine:
         Generations from several threads are serialized (they share the KV cache): a
         second one waits until the first finishes or is cancelled.
         """
+        return self._serialized(prompt, self._config(config, kwargs), threading.Event())
+
+    def _serialized(self, prompt: str | list[int], config: GenerationConfig,
+                    cancel: threading.Event) -> Iterator[_Record]:
         if self.target is None:
             raise EdgespecError("this engine was closed; load the bundle again.")
-        cancel = kwargs.pop("_cancel", None) or threading.Event()
-        config = self._config(config, kwargs)
         with self._busy:
             self._active = cancel
             yield from self._records(prompt, config, cancel)
@@ -235,7 +237,7 @@ class Engine:
 
         def work() -> None:
             try:
-                records = self.records(prompt, config, _cancel=job._cancel)
+                records = self._serialized(prompt, config, job._cancel)
                 job._result = self._collect(records, on_text)
                 if on_done:
                     on_done(job._result)
