@@ -267,3 +267,20 @@ def test_example_script_runs():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "tokens per target pass" in out.stdout
+
+
+@pytest.mark.parametrize("profile", ["cuda", "dml"])
+def test_gpu_profile_bundles_decode_losslessly_on_the_cpu_ep(tmp_path, demo_target,
+                                                             demo_draft, profile):
+    """fp16 graphs of the GPU profiles, including dml's concatenated KV cache with its
+    rollback and tree compaction, decoded by the engine on the CPU EP."""
+    from edgespec.export import export
+
+    export(demo_target, tmp_path / "b", draft=demo_draft, precision="fp16",
+           ep_profile=profile)
+    gpu_engine = edgespec.load(tmp_path / "b", device="cpu")
+    for prompt in PROMPTS[:3]:
+        ar = gpu_engine.generate(prompt, max_new_tokens=32, mode="ar")
+        for drafter in ("chain3", "tree8"):
+            spec = gpu_engine.generate(prompt, max_new_tokens=32, **DRAFTERS[drafter])
+            assert spec.token_ids == ar.token_ids, (prompt, drafter)
