@@ -71,11 +71,14 @@ class ModelDrafter:
         proposals: list[int] = []
         q_rows: list[np.ndarray] = []
         feed = tokens[self.model.cache.length:]
+        need_q = not params.greedy or self.stop_rule != "none"  # a softmax over V costs
         for _ in range(n):
             logits = self.model.forward(feed)[-1]
             stats.draft_passes += 1
-            q = warp(logits, params if not params.greedy else SamplingParams(1.0))
-            if proposals and should_stop(q, self.stop_rule, self.threshold):
+            q = warp(logits, params if not params.greedy else SamplingParams(1.0)) \
+                if need_q else None
+            if proposals and q is not None and should_stop(q, self.stop_rule,
+                                                           self.threshold):
                 break  # keeps at least one proposal, so the draft pass is not wasted
             if params.greedy:
                 proposals.append(int(np.argmax(logits)))
