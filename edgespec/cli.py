@@ -19,6 +19,9 @@ model_option = click.option("--model", "model", type=click.Path(path_type=Path),
                             help="Bundle directory (default: the embedded demo bundle).")
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto",
                              show_default=True, help="Execution provider to run on.")
+threads_option = click.option("--threads", default=0, show_default=True,
+                              type=click.IntRange(min=0),
+                              help="CPU threads per session (0: one per core).")
 mode_option = click.option("--mode", type=click.Choice(["ar", "spec", "lookup"]),
                            default="spec", show_default=True,
                            help="ar: target alone; spec: draft model speculation; "
@@ -118,11 +121,12 @@ def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
               default="none", show_default=True,
               help="End a chain early when the draft is unsure (confidence < 0.4, or SVIP).")
 @device_option
+@threads_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...], mode: str,
              draft_tokens: int,
-             tree_budget: int, adaptive: bool, stop_rule: str, device: str,
+             tree_budget: int, adaptive: bool, stop_rule: str, device: str, threads: int,
              as_json: bool) -> None:
     """Continue PROMPT (or stdin) with the model."""
     from edgespec.engine import GenerationConfig, load
@@ -131,7 +135,7 @@ def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temper
         if sys.stdin.isatty():
             raise EdgespecError("give a prompt as an argument or on stdin.")
         prompt = sys.stdin.read()
-    engine = load(model, device=device)
+    engine = load(model, device=device, threads=threads)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop), mode=mode,
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
@@ -157,11 +161,12 @@ CHAT_HELP = ("commands: /reset (new conversation), /stats (last answer's numbers
 @cli.command()
 @model_option
 @device_option
+@threads_option
 @mode_option
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--no-stats", is_flag=True, help="Do not print a stats line after each answer.")
-def chat(model: Path | None, device: str, mode: str, temperature: float,
+def chat(model: Path | None, device: str, threads: int, mode: str, temperature: float,
          max_new_tokens: int, no_stats: bool) -> None:
     """Chat in the terminal with the bundle's chat template.
 
@@ -172,7 +177,7 @@ def chat(model: Path | None, device: str, mode: str, temperature: float,
 
     from edgespec.engine import MODES, GenerationConfig, load
 
-    engine = load(model, device=device)
+    engine = load(model, device=device, threads=threads)
     if mode == "spec" and engine.draft is None:
         mode = "ar"
     history: list[dict[str, str]] = []
@@ -248,12 +253,14 @@ def chat(model: Path | None, device: str, mode: str, temperature: float,
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--api-key", help="Require this Bearer token.")
 @device_option
-def serve(model: Path | None, host: str, port: int, api_key: str | None, device: str) -> None:
+@threads_option
+def serve(model: Path | None, host: str, port: int, api_key: str | None, device: str,
+          threads: int) -> None:
     """Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     from edgespec.engine import load
     from edgespec.server import serve as run_server
 
-    engine = load(model, device=device)
+    engine = load(model, device=device, threads=threads)
     model_id = model.resolve().name if model else "edgespec-demo"
     err.print(f"serving {model_id} on http://{host}:{port}/v1 ({engine.target.device})")
     run_server(engine, model_id, host, port, api_key)
@@ -262,10 +269,11 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None, device:
 @cli.command()
 @model_option
 @device_option
+@threads_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=2))
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N prompts.")
-def bench(model: Path | None, device: str, as_json: bool, max_new_tokens: int,
+def bench(model: Path | None, device: str, threads: int, as_json: bool, max_new_tokens: int,
           limit: int | None) -> None:
     """Benchmark every decoding mode on the shipped prompt set (50 prompts, 5 categories)."""
     from rich.progress import Progress
@@ -273,7 +281,7 @@ def bench(model: Path | None, device: str, as_json: bool, max_new_tokens: int,
     from edgespec.bench import print_table, run_bench
     from edgespec.engine import load
 
-    engine = load(model, device=device)
+    engine = load(model, device=device, threads=threads)
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("benchmarking", total=None)
         report = run_bench(engine, max_new_tokens, limit,

@@ -368,6 +368,9 @@ class Job:
 
 
 def load(path: Path | str | None = None, providers: list[str] | None = None,
-         device: str = "auto", verify: bool = True, context: int | None = None) -> Engine:
-    """Open a bundle (the embedded demo when `path` is None)."""
-    return Engine(path, device=device, providers=providers, verify=verify, context=context)
+         device: str = "auto", verify: bool = True, context: int | None = None,
+         threads: int = 0) -> Engine:
+    """Open a bundle (the embedded demo when `path` is None). `threads` sets ONNX
+    Runtime's intra-op threads (0: one per core; 1 is faster on a busy machine)."""
+    return Engine(path, device=device, providers=providers, verify=verify, context=context,
+                  threads=threads)
