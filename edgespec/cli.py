@@ -45,7 +45,10 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("target")
-@click.option("--draft", help="Draft checkpoint directory or Hub id (same tokenizer).")
+@click.option("--draft", help="Draft checkpoint directory or Hub id (same tokenizer), or "
+                             "'nested': BitNest, the 4-bit base of the target's own codes.")
+@click.option("--nest", type=click.Choice(["4+4"]), default="4+4", show_default=True,
+              help="With --draft nested: base bits + residual bits.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Bundle directory to create.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int4", "int2"]),
@@ -68,7 +71,7 @@ def cli() -> None:
                    "'corpus:PATH' (a text file or a folder).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow downloading model code files.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
-def export(target: str, draft: str | None, out: Path, precision: str,
+def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
            draft_precision: str | None, block_size: str, ep_profile: str, accuracy_level: str,
            quant: str, vocab_trim: int | None, trim_source: str, trust_remote_code: bool,
            overwrite: bool) -> None:

@@ -66,7 +66,8 @@ def check_same_vocab(target: Path, draft: Path) -> None:
 
 def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_size: int,
                   accuracy_level: int, ep_profile: str, symmetric: bool,
-                  progress: Progress, head_rows: np.ndarray | None = None) -> ModelEntry:
+                  progress: Progress, head_rows: np.ndarray | None = None,
+                  nested: str | None = None) -> ModelEntry:
     task = progress.add_task(f"{role}: loading {ckpt_dir.name}", total=None)
     adapter = adapter_for(load_checkpoint(ckpt_dir))
     spec = adapter.spec
@@ -76,6 +77,8 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
                             "soft-capping or sliding windows yet; export with --ep-profile "
                             "cpu or cuda.")
     params = adapter.ckpt.num_params()
+    if nested:  # BitNest: the target is the 8-bit nest, the draft its 4-bit base
+        precision = "int8" if nested == "target" else "int4"
     progress.update(task, total=spec.num_layers + 1, completed=0,
                     description=f"{role}: building {precision} graph")
     head = adapter.lm_head()
@@ -84,7 +87,7 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
     model = build_decoder(spec, adapter.embeddings(), adapter.layers(), adapter.final_norm(),
                           head, precision, block_size, accuracy_level,
                           dtype=PROFILE_DTYPE[ep_profile], attention=attention,
-                          symmetric=symmetric,
+                          symmetric=symmetric, nested=nested,
                           on_layer=lambda i: progress.advance(task))
     progress.update(task, description=f"{role}: writing {role}.onnx")
     onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
@@ -142,6 +145,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     kernel. Losslessness is unaffected: speculation is exact w.r.t. the graph that runs.
     `symmetric=False` gives int4/int2 blocks a zero point of their own (int8 stays
     symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points).
+    `draft="nested"` makes the draft BitNest-style: the 4-bit base of the target's own
+    nested 4+4 codes, the target then computing with exactly base + residual (W8).
     `vocab_trim=K` keeps only K rows of the draft's LM head, the tokens most frequent in
     the target's own generations (`trim_source="target"`, prompts from `trim_prompts`
     or a built-in set) or in a corpus (`trim_source="corpus:PATH"`).
@@ -163,8 +168,12 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     if block_size not in (16, 32, 64, 128, 256):
         raise EdgespecError(f"block size {block_size} is not supported; use 32, 64 or 128.")
     start = time.time()
+    nested = draft == "nested"
+    if nested and (ep_profile == "dml" or vocab_trim):
+        raise EdgespecError("--draft nested works with the cpu and cuda profiles and "
+                            "without --vocab-trim in this version.")
     target_dir = resolve_checkpoint(target, trust_remote_code)
-    draft_dir = resolve_checkpoint(draft, trust_remote_code) if draft else None
+    draft_dir = resolve_checkpoint(draft, trust_remote_code) if draft and not nested else None
     for d in (target_dir, draft_dir):
         if d and not (d / "config.json").is_file():
             raise EdgespecError(f"{d} has no config.json; pass a Hugging Face checkpoint "
@@ -186,7 +195,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         with write_bundle(out, overwrite) as (tmp, finish), Progress(
                 *columns, console=console, transient=True) as progress:
             target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
-                                         accuracy_level, ep_profile, symmetric, progress)
+                                         accuracy_level, ep_profile, symmetric, progress,
+                                         nested="target" if nested else None)
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
                     if draft_dir and vocab_trim else None)
@@ -196,6 +206,10 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                                          accuracy_level, ep_profile, symmetric, progress,
                                          head_rows=kept)
                            if draft_dir else None)
+            if nested:
+                draft_entry = _export_model(target_dir, "draft", tmp, "int4", block_size,
+                                            accuracy_level, ep_profile, symmetric, progress,
+                                            nested="draft")
             tok_files = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
             for f in tok_files:
                 shutil.copy2(target_dir / f, tmp / f)
@@ -209,6 +223,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                             "python": platform.python_version(),
                             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                             "target": str(target), "draft": str(draft) if draft else None,
+                            "nested": "4+4" if nested else None,
                             "accuracy_level": accuracy_level, "symmetric": symmetric,
                             "vocab_trim": vocab_trim and {"k": vocab_trim,
                                                           "source": trim_source}}))

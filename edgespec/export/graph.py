@@ -22,7 +22,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgespec.export.architectures import DecoderSpec, LayerWeights
-from edgespec.quant.blockwise import quantize_blockwise
+from edgespec.quant.bitnest import nest
+from edgespec.quant.blockwise import QuantizedWeight, quantize_blockwise
 
 OPSET = 21
 MS = "com.microsoft"
@@ -45,7 +46,8 @@ class GraphBuilder:
 
     def __init__(self, precision: str, block_size: int, accuracy_level: int,
                  dtype: type = np.float32, zero_points: bool = False,
-                 symmetric: bool = True):
+                 symmetric: bool = True, nested: str | None = None):
+        self.nested = nested  # BitNest: "target" (base + residual) or "draft" (base only)
         self.zero_points = zero_points  # DirectML's MatMulNBits wants all four inputs
         self.symmetric = symmetric
         self.precision = precision
@@ -74,6 +76,13 @@ class GraphBuilder:
     def linear(self, x: str, weight: np.ndarray, name: str, bits: int | None = None) -> str:
         """y = x @ weight.T, weight in the [out, in] layout."""
         n, k = weight.shape
+        if self.nested:
+            nw = nest(weight, self.block_size)
+            y = self._nbits(x, nw.base, f"{name}.base")
+            if self.nested == "draft":
+                return y
+            r = self._nbits(x, nw.residual, f"{name}.residual")
+            return self.node("Add", [y, r], [f"{name}.out"], f"{name}.nest")[0]
         bits = bits or BITS.get(self.precision)
         if bits is None:
             store = np.float16 if self.precision == "fp16" else self.dtype
@@ -84,12 +93,15 @@ class GraphBuilder:
             return self.node("MatMul", [x, w], [f"{name}.out"], name)[0]
         # 8-bit codes stay symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points
         q = quantize_blockwise(weight, bits, self.block_size, self.symmetric or bits == 8)
+        return self._nbits(x, q, name)
+
+    def _nbits(self, x: str, q: QuantizedWeight, name: str) -> str:
         inputs = [x, self.const(f"{name}.qweight", q.packed),
                   self.fconst(f"{name}.scales", q.scales)]
         if self.zero_points or not q.symmetric:
             inputs.append(self.const(f"{name}.zp", q.packed_zero_points()))
         return self.node("MatMulNBits", inputs, [f"{name}.out"], name, domain=MS,
-                         K=k, N=n, bits=bits, block_size=self.block_size,
+                         K=q.k, N=q.n, bits=q.bits, block_size=self.block_size,
                          accuracy_level=self.accuracy_level)[0]
 
 
@@ -172,7 +184,7 @@ def mha(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], rope
 def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[LayerWeights],
                   final_norm: np.ndarray, lm_head: np.ndarray, precision: str = "fp32",
                   block_size: int = 32, accuracy_level: int = 0, dtype: type = np.float32,
-                  attention: str = "gqa", symmetric: bool = True,
+                  attention: str = "gqa", symmetric: bool = True, nested: str | None = None,
                   on_layer: Callable[[int], None] | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
@@ -183,7 +195,7 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     whatever the compute dtype, so the runtime's contract does not change.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
-                     zero_points=attention == "mha", symmetric=symmetric)
+                     zero_points=attention == "mha", symmetric=symmetric, nested=nested)
     s_dim, t_dim = "sequence", "total_sequence"
     if attention == "gqa":
         past_shape = present_shape = [1, spec.num_kv_heads, "max_length", spec.head_dim]

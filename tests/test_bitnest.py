@@ -1,0 +1,92 @@
+"""BitNest nested precision: codes, the W8 target, and the draft inside it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import edgespec
+from edgespec.bundle import read_manifest
+from edgespec.export import export
+from edgespec.quant.bitnest import nest
+from edgespec.quant.blockwise import dequantize
+from edgespec.runtimes import DecoderSession
+from tests.conftest import torch_logits, torch_model
+
+
+@pytest.mark.parametrize("k", [64, 96])
+def test_codes_reconstruct_exactly(k):
+    w = np.random.default_rng(k).normal(size=(16, k)).astype(np.float32)
+    nw = nest(w, block_size=32)
+    codes = nw.int8_codes().astype(np.float32)
+    s = np.repeat(nw.base.scales.reshape(16, -1), 32, axis=1)[:, :k]
+    np.testing.assert_allclose(nw.w8(), codes * s / 16, rtol=0, atol=1e-6)
+    assert codes.min() >= -128 and codes.max() <= 127
+    # the draft's weight is the high nibble alone: c = 16·q4 + qr, qr in [-8, 7]
+    hi = np.floor_divide(nw.int8_codes().astype(np.int16) + 8, 16)
+    np.testing.assert_allclose(dequantize(nw.base), hi * s, atol=1e-6)
+
+
+def test_w8_is_much_closer_than_the_base_and_clipping_helps():
+    w = np.random.default_rng(0).standard_t(df=3, size=(64, 256)).astype(np.float32)
+    nw, plain = nest(w), nest(w, clip_search=False)
+    base_err = np.abs(dequantize(nw.base) - w).mean()
+    assert np.abs(nw.w8() - w).mean() < base_err / 8
+    assert base_err < np.abs(dequantize(plain.base) - w).mean()
+
+
+def w8_reference(path):
+    """The PyTorch model computing with exactly the nested W8 weights (head included)."""
+    model = torch_model(path)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module is not model.lm_head:
+                module.weight.copy_(torch.from_numpy(nest(module.weight.numpy()).w8()))
+        head = model.lm_head.weight.detach().numpy()
+        model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(nest(head).w8()))
+    return model
+
+
+@pytest.fixture(scope="module")
+def nested_bundle(tmp_path_factory, demo_target):
+    out = tmp_path_factory.mktemp("nest") / "bundle"
+    export(demo_target, out, draft="nested", accuracy_level=0)
+    return out
+
+
+def test_target_graph_is_the_w8_model(nested_bundle, demo_target):
+    m = read_manifest(nested_bundle)
+    assert (m.target.precision, m.draft.precision) == ("int8", "int4")
+    ids = np.random.default_rng(1).integers(0, 4096, 32)
+    ref = torch_logits(w8_reference(demo_target), ids)
+    sess = DecoderSession(nested_bundle / "target.onnx", m.target, ["CPUExecutionProvider"])
+    assert np.abs(np.concatenate([sess.forward(ids[:20]), sess.forward(ids[20:])]) - ref
+                  ).max() < 2e-3
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(tree_budget=8, tree_top_k=2),
+                                    dict(adaptive=True)])
+def test_greedy_nested_spec_equals_w8_ar(nested_bundle, kwargs):
+    engine = edgespec.load(nested_bundle)
+    for prompt in ("def quicksort(items):", "import os\n", "class Stack:\n"):
+        ar = engine.generate(prompt, max_new_tokens=40, mode="ar")
+        spec = engine.generate(prompt, max_new_tokens=40, mode="spec", **kwargs)
+        assert spec.token_ids == ar.token_ids
+        assert spec.stats.accepted > 0
+
+
+def test_nested_sampling_matches_ar_distribution(nested_bundle):
+    from scipy.stats import chi2_contingency
+
+    engine = edgespec.load(nested_bundle)
+    counts = {"ar": {}, "spec": {}}
+    for mode in counts:
+        for seed in range(400):
+            key = tuple(engine.generate("def main(", max_new_tokens=2, mode=mode,
+                                        temperature=1.0, top_k=3, seed=seed).token_ids)
+            counts[mode][key] = counts[mode].get(key, 0) + 1
+    keys = sorted(set(counts["ar"]) | set(counts["spec"]))
+    table = np.array([[counts[m].get(k, 0) for k in keys] for m in counts])
+    table = table[:, table.sum(0) >= 10]
+    assert table.shape[1] >= 2 and chi2_contingency(table).pvalue > 1e-3
