@@ -50,6 +50,7 @@ class ModelEntry:
     block_size: int | None = None
     kv_layout: str = "gqa-shared-buffer"
     kv_dtype: str = "float32"
+    nested: str = ""  # BitNest: "target" or "draft", both views of one shared graph
     data_files: list[str] = field(default_factory=list)
     source: str = ""
 
@@ -96,7 +97,7 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
     fields = ModelEntry.__dataclass_fields__
     raw = {k: v for k, v in raw.items() if k in fields}  # newer optional fields: ignored
     kinds = {"graph": str, "architecture": str, "precision": str, "kv_layout": str,
-             "kv_dtype": str,
+             "kv_dtype": str, "nested": str,
              "source": str, "data_files": list, "block_size": (int, type(None))}
     for name, f in fields.items():
         if name not in raw:

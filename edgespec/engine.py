@@ -159,8 +159,10 @@ class Engine:
         m = self.manifest
         self.target = DecoderSession(self.path / m.target.graph, m.target, providers, device,
                                      max_len=context or DEFAULT_CONTEXT, threads=threads)
+        shared = self.target.session if m.draft and m.draft.graph == m.target.graph else None
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, providers, device,
-                                     max_len=self.target.max_len, threads=threads)
+                                     max_len=self.target.max_len, threads=threads,
+                                     shared=shared)
                       if m.draft else None)
         if self.draft is not None and m.vocab_map:
             kept = np.load(self.path / m.vocab_map)

@@ -36,15 +36,19 @@ def test_w8_is_much_closer_than_the_base_and_clipping_helps():
     assert base_err < np.abs(dequantize(plain.base) - w).mean()
 
 
-def w8_reference(path):
-    """The PyTorch model computing with exactly the nested W8 weights (head included)."""
+def nested_reference(path, part: str):
+    """The PyTorch model computing with exactly the nested W8 weights, or with their
+    4-bit base alone (head included)."""
+    def weight(w: np.ndarray) -> torch.Tensor:
+        nw = nest(w)
+        return torch.from_numpy(nw.w8() if part == "w8" else dequantize(nw.base))
+
     model = torch_model(path)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module is not model.lm_head:
-                module.weight.copy_(torch.from_numpy(nest(module.weight.numpy()).w8()))
-        head = model.lm_head.weight.detach().numpy()
-        model.lm_head.weight = torch.nn.Parameter(torch.from_numpy(nest(head).w8()))
+                module.weight.copy_(weight(module.weight.numpy()))
+        model.lm_head.weight = torch.nn.Parameter(weight(model.lm_head.weight.numpy()))
     return model
 
 
@@ -55,14 +59,25 @@ def nested_bundle(tmp_path_factory, demo_target):
     return out
 
 
-def test_target_graph_is_the_w8_model(nested_bundle, demo_target):
+@pytest.mark.parametrize("role,part", [("target", "w8"), ("draft", "base")])
+def test_one_graph_holds_both_models(nested_bundle, demo_target, role, part):
+    """The target view computes with W8 = base + residual, the draft view with the base;
+    both are the same graph file and weights."""
     m = read_manifest(nested_bundle)
     assert (m.target.precision, m.draft.precision) == ("int8", "int4")
+    assert m.draft.graph == m.target.graph and m.draft.data_files == m.target.data_files
+    entry = m.target if role == "target" else m.draft
     ids = np.random.default_rng(1).integers(0, 4096, 32)
-    ref = torch_logits(w8_reference(demo_target), ids)
-    sess = DecoderSession(nested_bundle / "target.onnx", m.target, ["CPUExecutionProvider"])
+    ref = torch_logits(nested_reference(demo_target, part), ids)
+    sess = DecoderSession(nested_bundle / entry.graph, entry, ["CPUExecutionProvider"])
     assert np.abs(np.concatenate([sess.forward(ids[:20]), sess.forward(ids[20:])]) - ref
                   ).max() < 2e-3
+
+
+def test_engine_shares_one_session(nested_bundle):
+    engine = edgespec.load(nested_bundle)
+    assert engine.draft.session is engine.target.session
+    assert engine.draft.cache is not engine.target.cache
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(tree_budget=8, tree_top_k=2),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import shutil
@@ -78,7 +79,7 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
                             "cpu or cuda.")
     params = adapter.ckpt.num_params()
     if nested:  # BitNest: the target is the 8-bit nest, the draft its 4-bit base
-        precision = "int8" if nested == "target" else "int4"
+        precision = "int4" if nested == "draft" else "int8"
     progress.update(task, total=spec.num_layers + 1, completed=0,
                     description=f"{role}: building {precision} graph")
     head = adapter.lm_head()
@@ -101,7 +102,8 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
         kv_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
         vocab_size=int(head.shape[0]), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-        max_positions=spec.max_positions, params=params, source=str(ckpt_dir))
+        max_positions=spec.max_positions, params=params, source=str(ckpt_dir),
+        nested="target" if nested == "shared" else "")
 
 
 def vocab_counts(graph: Path, target: ModelEntry, tokenizer_dir: Path, source: str,
@@ -196,7 +198,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                 *columns, console=console, transient=True) as progress:
             target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, symmetric, progress,
-                                         nested="target" if nested else None)
+                                         nested="shared" if nested else None)
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
                     if draft_dir and vocab_trim else None)
@@ -206,10 +208,9 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                                          accuracy_level, ep_profile, symmetric, progress,
                                          head_rows=kept)
                            if draft_dir else None)
-            if nested:
-                draft_entry = _export_model(target_dir, "draft", tmp, "int4", block_size,
-                                            accuracy_level, ep_profile, symmetric, progress,
-                                            nested="draft")
+            if nested:  # the same graph and weights, read without the residual
+                draft_entry = dataclasses.replace(target_entry, precision="int4",
+                                                  nested="draft")
             tok_files = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
             for f in tok_files:
                 shutil.copy2(target_dir / f, tmp / f)

@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgespec.export.architectures import DecoderSpec, LayerWeights
-from edgespec.quant.bitnest import nest
+from edgespec.quant.bitnest import NestedWeight, nest
 from edgespec.quant.blockwise import QuantizedWeight, quantize_blockwise
 
 OPSET = 21
@@ -81,8 +81,10 @@ class GraphBuilder:
             y = self._nbits(x, nw.base, f"{name}.base")
             if self.nested == "draft":
                 return y
-            r = self._nbits(x, nw.residual, f"{name}.residual")
-            return self.node("Add", [y, r], [f"{name}.out"], f"{name}.nest")[0]
+            if self.nested == "target":
+                r = self._nbits(x, nw.residual, f"{name}.residual")
+                return self.node("Add", [y, r], [f"{name}.out"], f"{name}.nest")[0]
+            return self._residual_if(x, y, nw, name)
         bits = bits or BITS.get(self.precision)
         if bits is None:
             store = np.float16 if self.precision == "fp16" else self.dtype
@@ -94,6 +96,22 @@ class GraphBuilder:
         # 8-bit codes stay symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points
         q = quantize_blockwise(weight, bits, self.block_size, self.symmetric or bits == 8)
         return self._nbits(x, q, name)
+
+    def _residual_if(self, x: str, base: str, nw: NestedWeight, name: str) -> str:
+        """One graph for both BitNest models: the residual matmul runs only when the
+        `use_residual` input is true (the target); the draft stops at the base."""
+        outer, self.nodes = self.nodes, []
+        residual = self._nbits(x, nw.residual, f"{name}.residual")
+        self.node("Add", [base, residual], [f"{name}.full"], f"{name}.nest")
+        then_nodes, self.nodes = self.nodes, outer
+        then_branch = helper.make_graph(
+            then_nodes, f"{name}.then", [],
+            [helper.make_tensor_value_info(f"{name}.full", self.onnx_dtype, None)])
+        else_branch = helper.make_graph(
+            [helper.make_node("Identity", [base], [f"{name}.base_only"])], f"{name}.else", [],
+            [helper.make_tensor_value_info(f"{name}.base_only", self.onnx_dtype, None)])
+        return self.node("If", ["use_residual"], [f"{name}.out"], f"{name}.if",
+                         then_branch=then_branch, else_branch=else_branch)[0]
 
     def _nbits(self, x: str, q: QuantizedWeight, name: str) -> str:
         inputs = [x, self.const(f"{name}.qweight", q.packed),
@@ -206,6 +224,8 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, s_dim]),
               helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT,
                                             [1, 1, s_dim, t_dim])]
+    if nested == "shared":
+        inputs.append(helper.make_tensor_value_info("use_residual", TensorProto.BOOL, []))
     # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
                                              [1, s_dim, lm_head.shape[0]])]

@@ -141,20 +141,31 @@ def causal_bias(past: int, s: int) -> np.ndarray:
     return bias
 
 
+def open_session(path: Path, providers: list[str], threads: int = 0) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+    try:
+        return ort.InferenceSession(str(path), opts, providers=providers)
+    except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+        raise EdgespecError(f"ONNX Runtime cannot load {path} ({str(e).splitlines()[0]}); "
+                            "re-export the bundle.") from None
+
+
 class DecoderSession:
-    """Drive one exported decoder graph step by step."""
+    """Drive one exported decoder graph step by step.
+
+    Several DecoderSessions may share one InferenceSession (`shared`), each with its own
+    IOBinding and KV cache: a BitNest bundle's draft and target are one graph whose
+    `use_residual` input picks the 4-bit base or the full 8-bit weights, so the weights
+    are held once.
+    """
 
     def __init__(self, path: Path, entry: ModelEntry, providers: list[str],
-                 device: str = "auto", max_len: int | None = None, threads: int = 0):
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            opts.intra_op_num_threads = threads
-        try:
-            self.session = ort.InferenceSession(str(path), opts, providers=providers)
-        except Exception as e:  # ORT raises its own Fail/InvalidGraph types
-            raise EdgespecError(f"ONNX Runtime cannot load {path} ({str(e).splitlines()[0]}); "
-                                "re-export the bundle.") from None
+                 device: str = "auto", max_len: int | None = None, threads: int = 0,
+                 shared: ort.InferenceSession | None = None):
+        self.session = shared or open_session(path, providers, threads)
         self.device = check_session(self.session, device, providers)
         self.entry = entry
         self.max_len = min(max_len or entry.max_positions, entry.max_positions)
@@ -163,6 +174,8 @@ class DecoderSession:
         self.binding = self.session.io_binding()
         self.binding.bind_output("logits", "cpu")  # first, so it is get_outputs()[0]
         self.cache.bind(self.binding)
+        if entry.nested:  # BitNest: this view computes with the base, or base + residual
+            self.binding.bind_cpu_input("use_residual", np.array(entry.nested == "target"))
 
     def forward(self, ids: list[int] | np.ndarray, positions: np.ndarray | None = None,
                 bias: np.ndarray | None = None) -> np.ndarray:
