@@ -162,14 +162,18 @@ def test_oracle_detects_a_wrong_distribution():
                        exact_distribution(target_table, 2, 3, params))
 
 
+def greedy_ar(table: np.ndarray, prompt: list[int], n: int = 40) -> list[int]:
+    return take(ar_decode(MarkovModel(table, 200), prompt, SamplingParams(0.0),
+                          np.random.default_rng(0), GenerationStats("ar")), n)
+
+
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("gamma", [1, 2, 4, 7])
 def test_greedy_chain_equals_greedy_ar(seed, gamma):
     target_table, draft_table = tables(seed)
     params = SamplingParams(0.0)
     rng = np.random.default_rng(0)
-    ar = take(ar_decode(MarkovModel(target_table, 200), [1], params, rng,
-                        GenerationStats("ar")), 40)
+    ar = greedy_ar(target_table, [1])
     stats = GenerationStats("spec")
     drafter = ModelDrafter(MarkovModel(draft_table, 200))
     spec = take(chain_decode(MarkovModel(target_table, 200), drafter, [1], params, gamma, rng,
@@ -239,8 +243,7 @@ def test_greedy_lookup_equals_greedy_ar(seed):
     params = SamplingParams(0.0)
     prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
     rng = np.random.default_rng(0)
-    ar = take(ar_decode(MarkovModel(target_table, 200), prompt, params, rng,
-                        GenerationStats("ar")), 40)
+    ar = greedy_ar(target_table, prompt)
     stats = GenerationStats("lookup")
     spec = take(chain_decode(MarkovModel(target_table, 200), LookupDrafter(V), prompt, params,
                              4, rng, stats), 40)
@@ -289,8 +292,7 @@ def test_greedy_tree_equals_greedy_ar(seed):
     target_table, draft_table = tables(seed)
     params = SamplingParams(0.0)
     rng = np.random.default_rng(0)
-    ar = take(ar_decode(MarkovModel(target_table, 200), [1], params, rng,
-                        GenerationStats("ar")), 40)
+    ar = greedy_ar(target_table, [1])
     stats = GenerationStats("spec")
     assert tree_run(target_table, draft_table, [1], params, rng, 40, stats=stats) == ar
     assert stats.accepted > 0 and stats.target_passes < 40
