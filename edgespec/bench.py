@@ -66,7 +66,9 @@ def run_bench(engine: Engine, max_new_tokens: int = 64, limit: int | None = None
                      "tokens_per_target_pass": tokens / max(1, sum(s.target_passes - 1
                                                                    for s in group)),
                      "acceptance": sum(s.accepted for s in group) / drafted if drafted
-                     else None, "greedy_differs_from_ar": differs[name]})
+                     else None, "greedy_differs_from_ar": differs[name],
+                     "overhead_share": 1 - sum(s.runtime_s for s in group)
+                     / sum(s.wall_s for s in group)})
     order = [*dict.fromkeys(p["category"] for p in prompts), "all"]
     rows.sort(key=lambda r: (order.index(r["category"]), list(modes).index(r["mode"])))
     ar_speed = {r["category"]: r["tokens_per_s"] for r in rows if r["mode"] == "ar"}
@@ -79,11 +81,13 @@ def run_bench(engine: Engine, max_new_tokens: int = 64, limit: int | None = None
 def print_table(report: dict[str, Any], console: Console) -> None:
     table = Table(title=f"edgespec bench: {report['prompts']} prompts, "
                         f"{report['max_new_tokens']} new tokens, {report['device']}")
-    for col in ("category", "mode", "tok/s", "vs AR", "tokens/pass", "acceptance"):
+    for col in ("category", "mode", "tok/s", "vs AR", "tokens/pass", "acceptance",
+                "overhead"):
         table.add_column(col, justify="left" if col in ("category", "mode") else "right")
     for r in report["rows"]:
         flag = " [red]≠AR[/red]" if r["greedy_differs_from_ar"] else ""
         table.add_row(r["category"], r["mode"] + flag, f"{r['tokens_per_s']:.1f}",
                       f"{r['speedup_vs_ar']:.2f}×", f"{r['tokens_per_target_pass']:.2f}",
-                      "" if r["acceptance"] is None else f"{r['acceptance']:.0%}")
+                      "" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
+                      f"{r['overhead_share']:.0%}")
     console.print(table)

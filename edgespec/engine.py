@@ -164,6 +164,7 @@ class Engine:
                                      max_len=self.target.max_len, threads=threads,
                                      shared=shared)
                       if m.draft else None)
+        self._sessions = [s for s in (self.target, self.draft) if s is not None]
         if self.draft is not None and m.vocab_map:
             kept = np.load(self.path / m.vocab_map)
             if kept.shape != (m.draft.vocab_size,) or kept.max() >= m.target.vocab_size:
@@ -285,6 +286,7 @@ class Engine:
                                  config.draft_tokens, rng, stats, controller)
         stop = _StopStrings(config.stop)
         produced: list[int] = []
+        runtime0 = sum(m.run_s for m in self._sessions)
         for step_tokens in steps:
             tokens: list[int] = []
             text, finish = "", None
@@ -303,6 +305,7 @@ class Engine:
             produced += tokens
             stats.new_tokens = len(produced)
             stats.wall_s = time.perf_counter() - start
+            stats.runtime_s = sum(m.run_s for m in self._sessions) - runtime0
             if finish is None and cancel.is_set():
                 finish = "cancelled"
             if finish:

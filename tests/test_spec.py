@@ -22,6 +22,7 @@ from edgespec.spec import (
     TreeDrafter,
     ar_decode,
     chain_decode,
+    sample,
     tree_decode,
     verify_tree,
     warp,
@@ -93,7 +94,8 @@ def exact_distribution(table: np.ndarray, start: int, length: int,
 
 
 def assert_matches(samples: list[tuple], dist: dict[tuple, float]) -> None:
-    """Chi-square goodness of fit on outcomes with enough expected mass (p > 1e-4)."""
+    """Chi-square goodness of fit on outcomes with an expected count >= 5 (the rest
+    pooled). A correct sampler fails it with probability 1e-3 (the false-alarm rate)."""
     from scipy.stats import chisquare
 
     n = len(samples)
@@ -369,3 +371,46 @@ def test_tree_variants_stay_lossless(best_first, lookup_tokens):
                           GenerationStats("spec"))
         samples.append(tuple(take(gen, 3)))
     assert_matches(samples, exact_distribution(target_table, 1, 3, params))
+
+
+def accept_all_chain(target_logits, draft_tokens, draft_probs, params, rng):
+    """A broken verifier: keeps every drafted token and samples the bonus from p."""
+    return len(draft_tokens), sample(target_logits[len(draft_tokens)], params, rng)
+
+
+def accept_all_tree(target_logits, tree, params, rng):
+    """A broken tree verifier: follows the first child at every node."""
+    path, node = [], -1
+    while (children := [i for i, p in enumerate(tree.parents) if p == node]):
+        node = children[0]
+        path.append(node)
+    return path, sample(target_logits[node + 1], params, rng)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "greedy"])
+def test_a_wrong_verifier_fails_the_losslessness_tests(monkeypatch, kind):
+    """The statistical and greedy checks above must be able to fail: with a verifier
+    that accepts everything, they do."""
+    import edgespec.spec.decode as decode
+
+    monkeypatch.setattr(decode, "verify_chain", accept_all_chain)
+    monkeypatch.setattr(decode, "verify_tree", accept_all_tree)
+    target_table, draft_table = tables(1)
+    if kind == "greedy":
+        with pytest.raises(AssertionError):
+            test_greedy_chain_equals_greedy_ar(1, 4)
+        return
+    params = SamplingParams(1.0)
+    rng = np.random.default_rng(4)
+    samples = []
+    for _ in range(6000):
+        target = MarkovModel(target_table, 200)
+        if kind == "chain":
+            gen = chain_decode(target, ModelDrafter(MarkovModel(draft_table)), [2], params, 3,
+                               rng, GenerationStats("spec"))
+        else:
+            gen = tree_decode(target, TreeDrafter(MarkovModel(draft_table, 200), 2, 3), [2],
+                              params, 6, rng, GenerationStats("spec"))
+        samples.append(tuple(take(gen, 3)))
+    with pytest.raises(AssertionError):
+        assert_matches(samples, exact_distribution(target_table, 2, 3, params))

@@ -20,6 +20,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    runtime_s: float = 0.0  # inside ONNX Runtime (all sessions); the rest is engine overhead
     device: str = "cpu"
 
     @property
@@ -39,10 +40,16 @@ class GenerationStats:
         decode_s = self.wall_s - self.prefill_s
         return (self.new_tokens - 1) / decode_s if decode_s > 0 and self.new_tokens > 1 else 0.0
 
+    @property
+    def overhead_share(self) -> float:
+        """Share of the wall time spent outside ONNX Runtime (Python, sampling, masks)."""
+        return max(0.0, 1 - self.runtime_s / self.wall_s) if self.wall_s > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.update(acceptance_rate=self.acceptance_rate,
                  tokens_per_target_pass=self.tokens_per_target_pass,
                  tokens_per_second=self.tokens_per_second,
-                 other_s=max(0.0, self.wall_s - self.prefill_s - self.draft_s - self.verify_s))
+                 other_s=max(0.0, self.wall_s - self.prefill_s - self.draft_s - self.verify_s),
+                 overhead_share=self.overhead_share)
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in d.items()}
