@@ -34,8 +34,9 @@ def load_prompts() -> list[dict[str, Any]]:
 
 
 def run_bench(engine: Engine, max_new_tokens: int = 64, limit: int | None = None,
-              progress=None) -> dict[str, Any]:
-    """Per category and mode: tokens/s, speedup vs AR, tokens per target pass, acceptance."""
+              progress=None, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """Per category and mode: tokens/s, speedup vs AR, tokens per target pass, acceptance.
+    With a temperature, outputs are sampled (seeded) and not compared with AR's."""
     prompts = load_prompts()[:limit]
     modes = {name: kw for name, kw in MODES.items()
              if kw["mode"] != "spec" or engine.draft is not None}
@@ -49,9 +50,10 @@ def run_bench(engine: Engine, max_new_tokens: int = 64, limit: int | None = None
         reference = None
         for name, kwargs in modes.items():
             engine.reset()  # every mode prefills from scratch
-            result = engine.generate(ids, max_new_tokens=min(max_new_tokens, room), **kwargs)
+            result = engine.generate(ids, max_new_tokens=min(max_new_tokens, room),
+                                     temperature=temperature, seed=seed + i, **kwargs)
             reference = reference or result.token_ids
-            differs[name] += result.token_ids != reference
+            differs[name] += temperature == 0 and result.token_ids != reference
             stats[item["category"], name].append(result.stats)
             stats["all", name].append(result.stats)
         if progress:
@@ -75,12 +77,13 @@ def run_bench(engine: Engine, max_new_tokens: int = 64, limit: int | None = None
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_s"] / ar_speed[r["category"]]
     return {"prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "device": engine.target.device, "rows": rows}
+            "temperature": temperature, "device": engine.target.device, "rows": rows}
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:
     table = Table(title=f"edgespec bench: {report['prompts']} prompts, "
-                        f"{report['max_new_tokens']} new tokens, {report['device']}")
+                        f"{report['max_new_tokens']} new tokens, temperature "
+                        f"{report['temperature']}, {report['device']}")
     for col in ("category", "mode", "tok/s", "vs AR", "tokens/pass", "acceptance",
                 "overhead"):
         table.add_column(col, justify="left" if col in ("category", "mode") else "right")

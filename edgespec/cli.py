@@ -276,8 +276,10 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None, device:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=2))
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N prompts.")
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="0: greedy (outputs checked against AR); > 0: seeded sampling.")
 def bench(model: Path | None, device: str, threads: int, as_json: bool, max_new_tokens: int,
-          limit: int | None) -> None:
+          limit: int | None, temperature: float) -> None:
     """Benchmark every decoding mode on the shipped prompt set (50 prompts, 5 categories)."""
     from rich.progress import Progress
 
@@ -289,7 +291,7 @@ def bench(model: Path | None, device: str, threads: int, as_json: bool, max_new_
         task = progress.add_task("benchmarking", total=None)
         report = run_bench(engine, max_new_tokens, limit,
                            lambda done, total: progress.update(task, completed=done,
-                                                               total=total))
+                                                               total=total), temperature)
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:
