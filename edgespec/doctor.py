@@ -7,6 +7,8 @@ Providers are probed by creating a session on a one-node graph and reading back
 from __future__ import annotations
 
 import platform
+import shutil
+import subprocess
 
 import numpy as np
 import onnx
@@ -48,6 +50,20 @@ def probe_providers() -> dict[str, str]:
     return result
 
 
+def gpu_memory() -> str:
+    """Free/total memory of NVIDIA GPUs as nvidia-smi reports it, where it can."""
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        return "unknown (no nvidia-smi: no NVIDIA driver here)"
+    try:
+        out = subprocess.run([tool, "--query-gpu=name,memory.free,memory.total",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown (nvidia-smi failed: {e})"
+    return "; ".join(line.strip() for line in out.splitlines()) or "no GPU listed"
+
+
 def report(console: Console) -> None:
     table = Table(title="edgespec doctor", show_header=False)
     table.add_column("item")
@@ -59,6 +75,7 @@ def report(console: Console) -> None:
     for device, state in probe_providers().items():
         style = "green" if state == "works" else "yellow"
         table.add_row(f"provider {device}", f"[{style}]{escape(state)}[/{style}]")
+    table.add_row("GPU memory (free, total)", escape(gpu_memory()))
     try:
         from edgespec.bundle import read_manifest
 

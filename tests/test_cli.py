@@ -151,3 +151,15 @@ def test_bench_prompt_set_is_shipped():
     assert len(prompts) >= 40
     assert {p["category"] for p in prompts} == {"completion", "editing", "docstring", "chat",
                                                 "summarization"}
+
+
+def test_doctor_reports_gpu_memory_with_a_fake_nvidia_smi(tmp_path, monkeypatch):
+    """nvidia-smi's CSV is what doctor reads; a stand-in script on PATH plays the driver."""
+    from edgespec.doctor import gpu_memory
+
+    assert gpu_memory().startswith("unknown")  # this machine has no NVIDIA driver
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H200, 140000 MiB, 143771 MiB'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert gpu_memory() == "NVIDIA H200, 140000 MiB, 143771 MiB"
