@@ -103,22 +103,19 @@ def test_int8_graph_computes_with_exactly_the_dequantized_weights(w8_bundle, dem
         assert np.abs(got - ref).max() < W8_TOL, role
 
 
-def test_shipped_bundle_is_close_to_dequantized_pytorch(demo_bundle, demo_target, demo_draft):
-    """The shipped graphs also quantize activations (accuracy_level 4)."""
+def test_shipped_bundle_matches_pytorch(demo_bundle, demo_target, demo_draft):
+    """The shipped target holds the checkpoint's fp16 weights and computes in fp32, so it
+    matches PyTorch fp32 closely; the shipped draft is int8 with int8 activations
+    (accuracy_level 4), compared with PyTorch on the same dequantized weights."""
+    m = read_manifest(demo_bundle)
+    assert (m.target.precision, m.draft.precision) == ("fp16", "int8")
     ids = np.random.default_rng(2).integers(0, 4096, 48)
-    for role, path in (("target", demo_target), ("draft", demo_draft)):
-        ref = torch_logits(quantized_reference(path), ids)
-        got = incremental_logits(session(demo_bundle, role), ids)
-        assert np.abs(got - ref).max() < A8_TOL, role
-        assert (got.argmax(-1) == ref.argmax(-1)).mean() > 0.9, role
-
-
-def test_int8_is_close_to_fp16_model(demo_bundle, demo_target):
-    """Quantization error itself stays small on a trained model: same top-1 mostly."""
-    ids = np.random.default_rng(3).integers(0, 4096, 64)
-    ref = torch_logits(torch_model(demo_target), ids)
-    got = session(demo_bundle).forward(ids)
-    assert (ref.argmax(-1) == got.argmax(-1)).mean() > 0.9
+    target = incremental_logits(session(demo_bundle, "target"), ids)
+    assert np.abs(target - torch_logits(torch_model(demo_target), ids)).max() < FP32_TOL
+    ref = torch_logits(quantized_reference(demo_draft), ids)
+    draft = incremental_logits(session(demo_bundle, "draft"), ids)
+    assert np.abs(draft - ref).max() < A8_TOL
+    assert (draft.argmax(-1) == ref.argmax(-1)).mean() > 0.9
 
 
 def test_tree_bias_verifies_branches_in_one_pass(fp32_bundle, demo_target):
