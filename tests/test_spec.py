@@ -414,3 +414,17 @@ def test_a_wrong_verifier_fails_the_losslessness_tests(monkeypatch, kind):
         samples.append(tuple(take(gen, 3)))
     with pytest.raises(AssertionError):
         assert_matches(samples, exact_distribution(target_table, 2, 3, params))
+
+
+@pytest.mark.parametrize("best_first", [False, True])
+def test_trees_fit_the_drafts_cache_near_the_context_end(best_first):
+    """The draft's cache takes k nodes per level: near the end of the context the tree
+    must shrink instead of overflowing it (MarkovModel.forward asserts the bound)."""
+    target_table, draft_table = tables(3)
+    for prompt_len in range(20, 31):
+        drafter = TreeDrafter(MarkovModel(draft_table, 32), top_k=4, depth=6,
+                              best_first=best_first)
+        out = take(tree_decode(MarkovModel(target_table, 32), drafter, [1] * prompt_len,
+                               SamplingParams(), 24, np.random.default_rng(0),
+                               GenerationStats("spec")), 32 - prompt_len)
+        assert len(out) == 32 - prompt_len

@@ -177,12 +177,13 @@ class TreeDrafter:
             positions = base - 1 + np.array([tree.depths[n] for n in nodes])
             return m.forward([tree.tokens[n] for n in nodes], positions, bias)
 
-        depth = min(self.depth, m.max_len - base)
+        room = m.max_len - base  # tree nodes the draft's cache can still take
+        depth = min(self.depth, room, room // self.top_k + 1)  # k nodes fed per level
         chain = lookup(np.asarray(tokens), min(self.lookup_tokens, budget, depth), 3)
         budget -= len(chain)  # the grafted branch must fit the budget too
         if self.best_first:
             tree = expand_best_first(root_logits, step, params, self.top_k, self.top_k,
-                                     budget, depth)
+                                     budget, depth, room)
         else:
             tree = expand(root_logits, step, params, self.top_k, depth, budget)
         tree.graft(chain)

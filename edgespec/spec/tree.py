@@ -110,21 +110,28 @@ def expand(root_logits: np.ndarray, step: Callable[[list[int], DraftTree], np.nd
 def expand_best_first(root_logits: np.ndarray,
                       step: Callable[[list[int], DraftTree], np.ndarray],
                       params: SamplingParams, top_k: int, batch: int, budget: int,
-                      max_depth: int) -> DraftTree:
+                      max_depth: int, max_fed: int | None = None) -> DraftTree:
     """SpecExec-style growth for large budgets (hundreds of nodes, when a target pass is
     expensive): repeatedly expand the `batch` best not-yet-expanded nodes, wherever they
-    are, until the tree holds `budget` nodes worth keeping."""
+    are, until the tree holds `budget` nodes worth keeping (or the draft has been fed
+    `max_fed` nodes, all its cache can hold)."""
     tree = DraftTree()
     if budget <= 0 or max_depth <= 0:
         return tree
     open_nodes = _children(tree, -1, 0.0, root_logits, params, top_k)
+    fed = 0
     while open_nodes:
+        if max_fed is not None:
+            batch = min(batch, max_fed - fed)
+            if batch <= 0:
+                break
         best = sorted(open_nodes, key=lambda i: -tree.scores[i])[:batch]
         cutoff = sorted(tree.scores, reverse=True)[min(budget, len(tree)) - 1]
         best = [n for n in best if tree.scores[n] >= cutoff and tree.depths[n] < max_depth]
         if not best:
             break
         open_nodes = [n for n in open_nodes if n not in best]
+        fed += len(best)
         for node, row in zip(best, step(best, tree), strict=True):
             open_nodes += _children(tree, node, tree.scores[node], row, params, top_k)
     return tree.prune(budget)
