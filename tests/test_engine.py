@@ -258,13 +258,15 @@ def test_jobs_are_serialized_and_cancel_their_own_generation(engine):
 
 
 def test_example_script_runs():
+    import os
     import subprocess
     import sys
 
     from tests.conftest import REPO
 
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # works installed or from the checkout
     out = subprocess.run([sys.executable, str(REPO / "examples" / "desktop_worker.py")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr
     assert "tokens per target pass" in out.stdout
 
