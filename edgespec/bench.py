@@ -46,11 +46,12 @@ def run_bench(engine: Engine, max_new_tokens: int = 64, limit: int | None = None
     for i, item in enumerate(prompts):
         ids = (engine.tokenizer.encode_chat(item["messages"]) if "messages" in item
                else engine.tokenizer.encode(item["prompt"]))
-        room = engine.context_length - len(ids) - 1
+        # a model with a short context (the demo's 512) keeps the prompt's end
+        ids = ids[-max(1, engine.context_length - max_new_tokens - 1):]
         reference = None
         for name, kwargs in modes.items():
             engine.reset()  # every mode prefills from scratch
-            result = engine.generate(ids, max_new_tokens=min(max_new_tokens, room),
+            result = engine.generate(ids, max_new_tokens=max_new_tokens,
                                      temperature=temperature, seed=seed + i, **kwargs)
             reference = reference or result.token_ids
             differs[name] += temperature == 0 and result.token_ids != reference

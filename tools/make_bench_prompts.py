@@ -69,7 +69,7 @@ def main() -> None:
                                         "that does the same but validates its arguments."},
         ]})
     for path in files[:PER_CATEGORY]:
-        text = path.read_text(encoding="utf-8", errors="replace")[:2500]
+        text = path.read_text(encoding="utf-8", errors="replace")[:1000]  # demo context 512
         prompts.append({"category": "summarization",
                         "prompt": f"{text}\n\n\n# Summary of the code above, in plain "
                                   "words:\n#"})
