@@ -87,13 +87,14 @@ def demo(ks: list[int], prompts: int, new: int) -> list[dict]:
     for k in ks:
         out = Path(tempfile.mkdtemp()) / "b"
         export(HERE / "demo_pair" / "target", out, draft=HERE / "demo_pair" / "draft",
-               precision="int8", vocab_trim=k if k < 4096 else None, console=QUIET)
+               precision="fp16", draft_precision="int8", vocab_trim=k if k < 4096 else None,
+               console=QUIET)  # the shipped demo's precisions
         engine = edgespec.load(out)
-        stats = []
+        stats, differ = [], 0
         for ids in held_out_prompts(engine, prompts, CARD):
             ar = engine.generate(ids, max_new_tokens=new, mode="ar")
             spec = engine.generate(ids, max_new_tokens=new, mode="spec", draft_tokens=4)
-            assert spec.token_ids == ar.token_ids
+            differ += spec.token_ids != ar.token_ids
             stats.append((ar.stats, spec.stats))
 
         def tps(group):
@@ -104,7 +105,10 @@ def demo(ks: list[int], prompts: int, new: int) -> list[dict]:
         rows.append({"K": k, "acceptance": round(sum(s.accepted for s in spec_stats)
                                                  / sum(s.drafted for s in spec_stats), 3),
                      "spec_tokens_per_s": round(tps(spec_stats), 1),
-                     "speedup_vs_ar": round(tps(spec_stats) / tps([a for a, _ in stats]), 2)})
+                     "speedup_vs_ar": round(tps(spec_stats) / tps([a for a, _ in stats]), 2),
+                     "draft_step_ms": round(1000 * sum(s.draft_s for s in spec_stats)
+                                            / sum(s.draft_passes for s in spec_stats), 3),
+                     "greedy_outputs_differing_from_ar": differ})
         print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(out.parent)
     return rows
