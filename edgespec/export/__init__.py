@@ -40,10 +40,11 @@ KV_LAYOUT = {"gqa": "gqa-shared-buffer", "mha": "mha-concat"}
 
 
 def _vocab(path: Path) -> dict[str, int]:
-    model = json.loads((path / "tokenizer.json").read_text())["model"]
+    spec = json.loads((path / "tokenizer.json").read_text())
+    model = spec["model"]
     vocab = dict(model["vocab"]) if isinstance(model["vocab"], dict) else {
         tok: i for i, (tok, _) in enumerate(model["vocab"])}
-    for added in json.loads((path / "tokenizer.json").read_text()).get("added_tokens", []):
+    for added in spec.get("added_tokens", []):
         vocab[added["content"]] = added["id"]
     return vocab
 

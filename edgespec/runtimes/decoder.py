@@ -86,7 +86,7 @@ class ConcatKVCache(KVCache):
     """
 
     def __init__(self, entry: ModelEntry, max_len: int, device: str = "cpu"):
-        self.device = "cpu" if device == "cpu" else device
+        self.device = device
         self.dtype = np.dtype(entry.kv_dtype)
         self.shape = [1, entry.num_heads, 0, entry.head_dim]
         self.layers = entry.num_layers
@@ -104,9 +104,9 @@ class ConcatKVCache(KVCache):
 
     def compact(self, start: int, slots: list[int]) -> None:
         moved = []
+        keep = list(range(start)) + list(slots)
         for k, v in self.values:
             k, v = k.numpy(), v.numpy()
-            keep = list(range(start)) + list(slots)
             moved.append(tuple(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(
                 t[:, :, keep])) for t in (k, v)))
         self.values = moved

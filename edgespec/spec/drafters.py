@@ -168,11 +168,8 @@ class TreeDrafter:
 
         def step(nodes: list[int], tree: DraftTree) -> np.ndarray:
             past = m.cache.length
-            bias = np.full((1, 1, len(nodes), past + len(nodes)), NEG_INF, np.float32)
-            bias[0, 0, :, :base] = 0.0
-            for row, node in enumerate(nodes):
-                slot[node] = past + row
-                bias[0, 0, row, [slot[a] for a in tree.ancestors(node)]] = 0.0
+            slot.update({node: past + row for row, node in enumerate(nodes)})
+            bias = tree.ancestor_bias(nodes, slot.__getitem__, base, past + len(nodes))
             stats.draft_passes += 1
             positions = base - 1 + np.array([tree.depths[n] for n in nodes])
             return m.forward([tree.tokens[n] for n in nodes], positions, bias)

@@ -16,7 +16,7 @@ the target's distribution.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,13 +75,23 @@ class DraftTree:
             tree.add(self.tokens[old], index.get(parent, -1), self.scores[old])
         return tree
 
+    def ancestor_bias(self, rows: Iterable[int], slot: Callable[[int], int], visible: int,
+                      total: int) -> np.ndarray:
+        """Bias [1, 1, len(rows), total]: each row sees keys [0, visible) and the cache
+        slots of its node's ancestors (the node itself included), nothing else."""
+        rows = list(rows)
+        bias = np.full((1, 1, len(rows), total), NEG_INF, dtype=np.float32)
+        bias[0, 0, :, :visible] = 0.0
+        for row, node in enumerate(rows):
+            bias[0, 0, row, [slot(a) for a in self.ancestors(node)]] = 0.0
+        return bias
+
     def verify_inputs(self, root: int, past: int) -> tuple[list[int], np.ndarray, np.ndarray]:
         """ids, positions and bias for one pass over [root, *nodes] after `past` tokens."""
         s = len(self) + 1
-        bias = np.full((1, 1, s, past + s), NEG_INF, dtype=np.float32)
-        bias[0, 0, :, :past + 1] = 0.0  # the prefix and the root: seen by all
-        for node in range(len(self)):
-            bias[0, 0, node + 1, [past + 1 + a for a in self.ancestors(node)]] = 0.0
+        # row 0 is the root (no ancestors); the prefix and the root are seen by all
+        bias = self.ancestor_bias(range(-1, len(self)), lambda a: past + 1 + a, past + 1,
+                                  past + s)
         positions = past + np.array([0, *self.depths], dtype=np.int64)
         return [root, *self.tokens], positions, bias
 
