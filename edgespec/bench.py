@@ -78,7 +78,7 @@ def run_bench(engine: Engine, max_new_tokens: int = 64, limit: int | None = None
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_s"] / ar_speed[r["category"]]
     return {"prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "temperature": temperature, "device": engine.target.device, "rows": rows}
+            "temperature": temperature, "device": engine.devices, "rows": rows}
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:

@@ -1,10 +1,13 @@
-"""The `edgespec` command line: export, generate, chat, serve, bench, doctor."""
+"""The `edgespec` command line: export, generate, chat, serve, bench, plan, doctor."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -17,11 +20,44 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 model_option = click.option("--model", "model", type=click.Path(path_type=Path),
                             help="Bundle directory (default: the embedded demo bundle).")
+
+
+def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    from edgespec.runtimes.planner import parse_bytes
+
+    try:
+        return None if value is None else parse_bytes(value)
+    except EdgespecError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto",
                              show_default=True, help="Execution provider to run on.")
 threads_option = click.option("--threads", default=0, show_default=True,
                               type=click.IntRange(min=0),
                               help="CPU threads per session (0: one per core).")
+gpu_memory_option = click.option(
+    "--gpu-memory", callback=_memory,
+    help="GPU memory the model may use, e.g. 6GiB (default: what the GPU reports free, "
+         "less 10%); a bigger target is offloaded as `edgespec plan` shows.")
+
+
+def runtime_options(command: Callable) -> Callable:
+    """--device, --draft-device, --gpu-memory and --threads, handed to the command as one
+    `runtime` dict of load() arguments."""
+
+    @functools.wraps(command)
+    def wrapper(*args: Any, device: str, draft_device: str | None, gpu_memory: int | None,
+                threads: int, **kwargs: Any) -> Any:
+        runtime = dict(device=device, draft_device=draft_device, gpu_memory=gpu_memory,
+                       threads=threads)
+        return command(*args, runtime=runtime, **kwargs)
+
+    draft_device = click.option("--draft-device", type=click.Choice(DEVICES[1:]),
+                                help="Run the draft on another provider than the target.")
+    for option in (threads_option, gpu_memory_option, draft_device, device_option):
+        wrapper = option(wrapper)
+    return wrapper
 mode_option = click.option("--mode", type=click.Choice(["ar", "spec", "lookup"]),
                            default="spec", show_default=True,
                            help="ar: target alone; spec: draft model speculation; "
@@ -123,13 +159,12 @@ def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
 @click.option("--stop-rule", type=click.Choice(["none", "confidence", "entropy"]),
               default="none", show_default=True,
               help="End a chain early when the draft is unsure (confidence < 0.4, or SVIP).")
-@device_option
-@threads_option
+@runtime_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...], mode: str,
              draft_tokens: int,
-             tree_budget: int, adaptive: bool, stop_rule: str, device: str, threads: int,
+             tree_budget: int, adaptive: bool, stop_rule: str, runtime: dict,
              as_json: bool) -> None:
     """Continue PROMPT (or stdin) with the model."""
     from edgespec.engine import GenerationConfig, load
@@ -138,7 +173,7 @@ def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temper
         if sys.stdin.isatty():
             raise EdgespecError("give a prompt as an argument or on stdin.")
         prompt = sys.stdin.read()
-    engine = load(model, device=device, threads=threads)
+    engine = load(model, **runtime)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop), mode=mode,
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
@@ -163,13 +198,12 @@ CHAT_HELP = ("commands: /reset (new conversation), /stats (last answer's numbers
 
 @cli.command()
 @model_option
-@device_option
-@threads_option
+@runtime_options
 @mode_option
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--no-stats", is_flag=True, help="Do not print a stats line after each answer.")
-def chat(model: Path | None, device: str, threads: int, mode: str, temperature: float,
+def chat(model: Path | None, runtime: dict, mode: str, temperature: float,
          max_new_tokens: int, no_stats: bool) -> None:
     """Chat in the terminal with the bundle's chat template.
 
@@ -180,13 +214,13 @@ def chat(model: Path | None, device: str, threads: int, mode: str, temperature: 
 
     from edgespec.engine import MODES, GenerationConfig, load
 
-    engine = load(model, device=device, threads=threads)
+    engine = load(model, **runtime)
     if mode == "spec" and engine.draft is None:
         mode = "ar"
     history: list[dict[str, str]] = []
     settings = {"mode": mode, "temperature": temperature, "statsline": not no_stats}
     last = None
-    err.print(f"[dim]edgespec chat ({mode}, {engine.target.device}). {CHAT_HELP}[/dim]")
+    err.print(f"[dim]edgespec chat ({mode}, {engine.devices}). {CHAT_HELP}[/dim]")
     while True:
         try:
             line = input(">>> ")
@@ -255,30 +289,28 @@ def chat(model: Path | None, device: str, threads: int, mode: str, temperature: 
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8080, show_default=True, type=int)
 @click.option("--api-key", help="Require this Bearer token.")
-@device_option
-@threads_option
-def serve(model: Path | None, host: str, port: int, api_key: str | None, device: str,
-          threads: int) -> None:
+@runtime_options
+def serve(model: Path | None, host: str, port: int, api_key: str | None,
+          runtime: dict) -> None:
     """Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
     from edgespec.engine import load
     from edgespec.server import serve as run_server
 
-    engine = load(model, device=device, threads=threads)
+    engine = load(model, **runtime)
     model_id = model.resolve().name if model else "edgespec-demo"
-    err.print(f"serving {model_id} on http://{host}:{port}/v1 ({engine.target.device})")
+    err.print(f"serving {model_id} on http://{host}:{port}/v1 ({engine.devices})")
     run_server(engine, model_id, host, port, api_key)
 
 
 @cli.command()
 @model_option
-@device_option
-@threads_option
+@runtime_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=2))
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N prompts.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="0: greedy (outputs checked against AR); > 0: seeded sampling.")
-def bench(model: Path | None, device: str, threads: int, as_json: bool, max_new_tokens: int,
+def bench(model: Path | None, runtime: dict, as_json: bool, max_new_tokens: int,
           limit: int | None, temperature: float) -> None:
     """Benchmark every decoding mode on the shipped prompt set (50 prompts, 5 categories)."""
     from rich.progress import Progress
@@ -286,7 +318,7 @@ def bench(model: Path | None, device: str, threads: int, as_json: bool, max_new_
     from edgespec.bench import print_table, run_bench
     from edgespec.engine import load
 
-    engine = load(model, device=device, threads=threads)
+    engine = load(model, **runtime)
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("benchmarking", total=None)
         report = run_bench(engine, max_new_tokens, limit,
@@ -296,6 +328,30 @@ def bench(model: Path | None, device: str, threads: int, as_json: bool, max_new_
         click.echo(json.dumps(report, indent=1))
     else:
         print_table(report, Console())
+
+
+@cli.command()
+@click.argument("bundle", required=False, type=click.Path(path_type=Path))
+@gpu_memory_option
+@click.option("--context", default=8192, show_default=True, type=click.IntRange(min=2),
+              help="Tokens of KV cache to reserve.")
+@click.option("--bandwidth", callback=_memory,
+              help="Host->GPU bytes per second, e.g. 25GB (default: measured on a CUDA "
+                   "GPU, else 16GB assumed).")
+@threads_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def plan(bundle: Path | None, gpu_memory: int | None, context: int, bandwidth: int | None,
+         threads: int, as_json: bool) -> None:
+    """Show where BUNDLE's parts would live under a GPU memory budget (default: the demo)."""
+    from edgespec.engine import demo_bundle
+    from edgespec.plan import plan_bundle, plan_dict, print_plan
+
+    result, assumed = plan_bundle(bundle or demo_bundle(), gpu_memory, context, bandwidth,
+                                  threads)
+    if as_json:
+        click.echo(json.dumps(plan_dict(result, assumed), indent=1))
+    else:
+        print_plan(result, assumed, Console())
 
 
 @cli.command()

@@ -7,8 +7,6 @@ Providers are probed by creating a session on a one-node graph and reading back
 from __future__ import annotations
 
 import platform
-import shutil
-import subprocess
 
 import numpy as np
 import onnx
@@ -21,7 +19,7 @@ from rich.table import Table
 from edgespec import __version__
 from edgespec.engine import demo_bundle
 from edgespec.errors import EdgespecError
-from edgespec.runtimes.providers import PROVIDER
+from edgespec.runtimes.providers import PROVIDER, nvidia_smi
 
 
 def _probe_model() -> bytes:
@@ -52,16 +50,11 @@ def probe_providers() -> dict[str, str]:
 
 def gpu_memory() -> str:
     """Free/total memory of NVIDIA GPUs as nvidia-smi reports it, where it can."""
-    tool = shutil.which("nvidia-smi")
-    if tool is None:
-        return "unknown (no nvidia-smi: no NVIDIA driver here)"
     try:
-        out = subprocess.run([tool, "--query-gpu=name,memory.free,memory.total",
-                              "--format=csv,noheader"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"unknown (nvidia-smi failed: {e})"
-    return "; ".join(line.strip() for line in out.splitlines()) or "no GPU listed"
+        rows = nvidia_smi("name,memory.free,memory.total")
+    except OSError as e:
+        return f"unknown ({e})"
+    return "; ".join(rows) or "no GPU listed"
 
 
 def report(console: Console) -> None:

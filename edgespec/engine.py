@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,15 @@ import numpy as np
 from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.runtimes import DecoderSession, resolve_providers
+from edgespec.runtimes.planner import (
+    ModelSizes,
+    Plan,
+    free_gpu_bytes,
+    make_plan,
+    measure_costs,
+)
+from edgespec.runtimes.providers import PROVIDER
+from edgespec.runtimes.segments import Placement, SegmentedDecoder
 from edgespec.spec import (
     GenerationStats,
     LookupDrafter,
@@ -147,9 +156,16 @@ class Engine:
 
     def __init__(self, path: Path | str | None = None, device: str = "auto",
                  providers: list[str] | None = None, verify: bool = True, threads: int = 0,
-                 context: int | None = None):
+                 context: int | None = None, gpu_memory: int | None = None,
+                 draft_device: str | None = None,
+                 placements: list[Placement] | None = None):
         """`context` caps the tokens a conversation may hold (default: the model's own
-        limit, at most DEFAULT_CONTEXT): the KV cache is allocated for it up front."""
+        limit, at most DEFAULT_CONTEXT): the KV cache is allocated for it up front.
+
+        On CUDA, a target that does not fit `gpu_memory` (default: what the GPU reports
+        free, less 10%) is offloaded as the planner decides (`self.plan`); `placements`
+        gives the target's segments explicitly instead. `draft_device` runs the draft on
+        another provider than the target."""
         if context is not None and context < 2:
             raise EdgespecError("context must be at least 2 tokens.")
         self.path = Path(path) if path is not None else demo_bundle()
@@ -157,14 +173,33 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(self.path)
         providers = providers or resolve_providers(device)
         m = self.manifest
-        self.target = DecoderSession(self.path / m.target.graph, m.target, providers, device,
-                                     max_len=context or DEFAULT_CONTEXT, threads=threads)
-        shared = self.target.session if m.draft and m.draft.graph == m.target.graph else None
-        self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, providers, device,
-                                     max_len=self.target.max_len, threads=threads,
-                                     shared=shared)
+        max_len = context or DEFAULT_CONTEXT
+        target_path = self.path / m.target.graph
+        self.plan: Plan | None = None
+        if providers[0] != PROVIDER["cuda"] and gpu_memory is not None:
+            raise EdgespecError("--gpu-memory plans a CUDA GPU's memory, but this run does "
+                                "not use CUDA; add --device cuda or leave it out.")
+        if placements is None and providers[0] == PROVIDER["cuda"]:
+            placements = self._plan_offload(gpu_memory, max_len, threads)
+        if placements:
+            self.target = SegmentedDecoder(target_path, m.target, placements, max_len, threads)
+        else:
+            self.target = DecoderSession(target_path, m.target, providers, device,
+                                         max_len=max_len, threads=threads)
+        shared = (self.target.session if m.draft and m.draft.graph == m.target.graph
+                  and not placements else None)
+        if self.plan is not None and self.plan.draft_device == "cpu" and draft_device is None:
+            draft_device = "cpu"  # the planner found no room for it on the GPU
+        draft_providers = resolve_providers(draft_device) if draft_device else providers
+        self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, draft_providers,
+                                     draft_device or device, max_len=self.target.max_len,
+                                     threads=threads, shared=shared)
                       if m.draft else None)
         self._sessions = [s for s in (self.target, self.draft) if s is not None]
+        # what actually runs, as the sessions report it: "cpu", "cuda", "cuda+cpu, draft cpu"
+        self.devices = self.target.device
+        if self.draft is not None and self.draft.device != self.target.device:
+            self.devices += f", draft {self.draft.device}"
         if self.draft is not None and m.vocab_map:
             kept = np.load(self.path / m.vocab_map)
             if kept.shape != (m.draft.vocab_size,) or kept.max() >= m.target.vocab_size:
@@ -175,6 +210,27 @@ class Engine:
         self._active = threading.Event()  # the running generation's cancel flag
         self._busy = threading.Lock()  # one generation at a time: they share the KV cache
         self._cached: list[int] = []  # tokens whose KV the target cache holds, in order
+
+    def _plan_offload(self, gpu_memory: int | None, max_len: int,
+                      threads: int) -> list[Placement] | None:
+        """Segments for a target too big for the GPU budget; None when it fits (or when
+        no budget is known), and then nothing is measured."""
+        budget = gpu_memory if gpu_memory is not None else free_gpu_bytes()
+        if budget is None:
+            return None
+        m = self.manifest
+        sizes = ModelSizes.of(self.path / m.target.graph, m.target)
+        context = min(max_len, m.target.max_positions)
+        draft = ModelSizes.of(self.path / m.draft.graph, m.draft) if m.draft else None
+        need = sizes.total + sizes.kv_per_token * context
+        if draft is not None and m.draft.graph != m.target.graph:
+            need += draft.total + draft.kv_per_token * context
+        if need <= budget:
+            return None
+        costs, _ = measure_costs(self.path / m.target.graph, m.target, gpu=True,
+                                 threads=threads)
+        self.plan = make_plan(sizes, budget, context, costs, draft)
+        return self.plan.placements if self.plan.offload != "none" else None
 
     @property
     def context_length(self) -> int:
@@ -265,11 +321,15 @@ class Engine:
         self.target.cache.trim(self.target.cache.length - reuse)
         self._cached = []  # unknown until this generation finishes
         stats = GenerationStats(mode=config.mode, prompt_tokens=len(ids), reused_tokens=reuse,
-                                device=self.target.device)
+                                device=self.devices)
         rng = np.random.default_rng(config.seed)
         detok = self.tokenizer.detokenizer(skip_special_tokens=True)
         start = time.perf_counter()
         budget = min(config.max_new_tokens, self.context_length - len(ids))
+        if config.mode == "spec" and not config.tree_budget and self.plan is not None:
+            # an offloaded pass costs about the same for one token or hundreds: verify
+            # the large best-first tree the planner sized (SpecExec)
+            config = replace(config, tree_budget=self.plan.tree_budget, tree_best_first=True)
         if config.mode == "ar":
             steps = ar_decode(self.target, ids, config.sampling, rng, stats)
         elif config.mode == "spec" and config.tree_budget:
@@ -287,6 +347,7 @@ class Engine:
         stop = _StopStrings(config.stop)
         produced: list[int] = []
         runtime0 = sum(m.run_s for m in self._sessions)
+        transfer0 = getattr(self.target, "transfer_s", 0.0)
         for step_tokens in steps:
             tokens: list[int] = []
             text, finish = "", None
@@ -306,6 +367,7 @@ class Engine:
             stats.new_tokens = len(produced)
             stats.wall_s = time.perf_counter() - start
             stats.runtime_s = sum(m.run_s for m in self._sessions) - runtime0
+            stats.transfer_s = getattr(self.target, "transfer_s", 0.0) - transfer0
             if finish is None and cancel.is_set():
                 finish = "cancelled"
             if finish:
@@ -374,8 +436,11 @@ class Job:
 
 def load(path: Path | str | None = None, providers: list[str] | None = None,
          device: str = "auto", verify: bool = True, context: int | None = None,
-         threads: int = 0) -> Engine:
+         threads: int = 0, gpu_memory: int | None = None, draft_device: str | None = None,
+         placements: list[Placement] | None = None) -> Engine:
     """Open a bundle (the embedded demo when `path` is None). `threads` sets ONNX
-    Runtime's intra-op threads (0: one per core; 1 is faster on a busy machine)."""
+    Runtime's intra-op threads (0: one per core; 1 is faster on a busy machine); see
+    Engine for offload (`gpu_memory`, `placements`) and `draft_device`."""
     return Engine(path, device=device, providers=providers, verify=verify, context=context,
-                  threads=threads)
+                  threads=threads, gpu_memory=gpu_memory, draft_device=draft_device,
+                  placements=placements)

@@ -117,7 +117,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_id, "device": engine.target.device,
+        return {"status": "ok", "model": model_id, "device": engine.devices,
                 "busy": lock.locked(), **counts}
 
     @app.get("/v1/models")

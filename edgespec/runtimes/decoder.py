@@ -13,10 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from onnx import TensorProto, helper
 
 from edgespec.bundle import ModelEntry
 from edgespec.errors import EdgespecError
-from edgespec.runtimes.providers import check_session
+from edgespec.runtimes.providers import PROVIDER, check_session
 
 NEG_INF = np.finfo(np.float32).min
 
@@ -28,19 +29,25 @@ class KVCache:
     entries after `length` and the buffer is never copied.
     """
 
-    def __init__(self, entry: ModelEntry, max_len: int, device: str = "cpu"):
+    def __init__(self, entry: ModelEntry, max_len: int, device: str = "cpu",
+                 layers: range | None = None):
+        """`layers`: the layers whose KV this cache holds (all by default; a segment of
+        an offloaded target holds its own)."""
+        self.layers = range(entry.num_layers) if layers is None else layers
         shape = [1, entry.num_kv_heads, max_len, entry.head_dim]
         dtype = np.dtype(entry.kv_dtype)
+        self.device, self.dtype = device, dtype
         if device == "cuda":
             self.buffers = [
                 (ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda"),
                  ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda"))
-                for _ in range(entry.num_layers)]
+                for _ in self.layers]
+            self.mover: KVMover | None = None
         else:
             # CPU OrtValues wrapping numpy arrays share their memory, so the cache can be
             # edited in place from numpy (compacting a verified tree path, for one)
             self.arrays = [(np.zeros(shape, dtype), np.zeros(shape, dtype))
-                           for _ in range(entry.num_layers)]
+                           for _ in self.layers]
             self.buffers = [(ort.OrtValue.ortvalue_from_numpy(k),
                              ort.OrtValue.ortvalue_from_numpy(v)) for k, v in self.arrays]
         self.max_len = max_len
@@ -57,15 +64,18 @@ class KVCache:
         """Move the entries at `slots` to start, start+1, ... and cut the cache there
         (the verified path of a token tree, made contiguous again)."""
         if not hasattr(self, "arrays"):
-            raise EdgespecError("token trees need the KV cache in host memory in this "
-                                "version; use chain speculation on this device.")
+            self.mover = self.mover or KVMover(2 * len(self.buffers), self.dtype,
+                                               self.device)
+            self.mover.move(self.buffers, start, slots)
+            self.length = start + len(slots)
+            return
         for k, v in self.arrays:
             k[:, :, start:start + len(slots)] = k[:, :, slots]
             v[:, :, start:start + len(slots)] = v[:, :, slots]
         self.length = start + len(slots)
 
     def bind(self, binding: ort.IOBinding) -> None:
-        for i, (k, v) in enumerate(self.buffers):
+        for i, (k, v) in zip(self.layers, self.buffers, strict=True):
             binding.bind_ortvalue_input(f"past_key_{i}", k)
             binding.bind_ortvalue_input(f"past_value_{i}", v)
             binding.bind_ortvalue_output(f"present_key_{i}", k)
@@ -76,6 +86,46 @@ class KVCache:
 
     def after_run(self, binding: ort.IOBinding, length: int) -> None:
         self.length = length
+
+
+class KVMover:
+    """Compacts KV buffers that live on a device, in place: one small graph gathers the
+    accepted slots and scatters them into the buffer it was bound to as input and output,
+    so a verified tree path is made contiguous without a round trip through the host."""
+
+    def __init__(self, tensors: int, dtype: np.dtype, device: str):
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+        kv_shape = [1, "kv_heads", "max_length", "head_dim"]
+        inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["n"])
+                  for n in ("src", "dst")]
+        outputs = []
+        nodes = [helper.make_node("Constant", [], ["shape4"], value=helper.make_tensor(
+                     "shape4", TensorProto.INT64, [4], [1, 1, -1, 1])),
+                 helper.make_node("Reshape", ["dst", "shape4"], ["dst4"])]
+        for j in range(tensors):
+            inputs.append(helper.make_tensor_value_info(f"kv_{j}", elem, kv_shape))
+            outputs.append(helper.make_tensor_value_info(f"out_{j}", elem, kv_shape))
+            nodes.append(helper.make_node("Gather", [f"kv_{j}", "src"], [f"upd_{j}"], axis=2))
+            if j == 0:
+                nodes += [helper.make_node("Shape", ["upd_0"], ["upd_shape"]),
+                          helper.make_node("Expand", ["dst4", "upd_shape"], ["index"])]
+            nodes.append(helper.make_node("ScatterElements", [f"kv_{j}", "index", f"upd_{j}"],
+                                          [f"out_{j}"], axis=2))
+        model = helper.make_model(helper.make_graph(nodes, "kv-mover", inputs, outputs),
+                                  opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+        providers = [PROVIDER[device]] + ([PROVIDER["cpu"]] if device != "cpu" else [])
+        self.session = ort.InferenceSession(model.SerializeToString(), providers=providers)
+        self.device = device
+
+    def move(self, buffers: list[tuple[ort.OrtValue, ort.OrtValue]], start: int,
+             slots: list[int]) -> None:
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("src", np.asarray(slots, dtype=np.int64))
+        binding.bind_cpu_input("dst", np.arange(start, start + len(slots), dtype=np.int64))
+        for j, value in enumerate(t for pair in buffers for t in pair):
+            binding.bind_ortvalue_input(f"kv_{j}", value)
+            binding.bind_ortvalue_output(f"out_{j}", value)
+        self.session.run_with_iobinding(binding)
 
 
 class ConcatKVCache(KVCache):
@@ -142,13 +192,20 @@ def causal_bias(past: int, s: int) -> np.ndarray:
     return bias
 
 
-def open_session(path: Path, providers: list[str], threads: int = 0) -> ort.InferenceSession:
+def open_session(path: Path, providers: list[str], threads: int = 0,
+                 model: bytes | None = None) -> ort.InferenceSession:
+    """A session on the graph at `path`, or on `model` (a graph built from it, e.g. a
+    segment) whose external weights ONNX Runtime then reads from path's directory."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         opts.intra_op_num_threads = threads
+    if model is not None:
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                      str(path.parent.resolve()))
     try:
-        return ort.InferenceSession(str(path), opts, providers=providers)
+        return ort.InferenceSession(model if model is not None else str(path), opts,
+                                    providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise EdgespecError(f"ONNX Runtime cannot load {path} ({str(e).splitlines()[0]}); "
                             "re-export the bundle.") from None
@@ -174,9 +231,8 @@ class DecoderSession:
         layout = ConcatKVCache if entry.kv_layout == "mha-concat" else KVCache
         self.cache = layout(entry, self.max_len, self.device)
         self.binding = self.session.io_binding()
-        self.binding.bind_output("logits", "cpu")  # first, so it is get_outputs()[0]
         self.vocab = self.session.get_outputs()[0].shape[-1]
-        self._buffers: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}
+        self.logits = LogitsOutput(self.binding, self.vocab)  # first: get_outputs()[0]
         self.cache.bind(self.binding)
         if entry.nested:  # BitNest: this view computes with the base, or base + residual
             self.binding.bind_cpu_input("use_residual", np.array(entry.nested == "target"))
@@ -188,39 +244,66 @@ class DecoderSession:
         `positions` and `bias` default to a left-to-right chunk; a token tree passes node
         depths and a [1,1,S,past+S] bias with -inf for non-ancestors.
         """
-        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
-        s, past = ids.shape[1], self.cache.length
-        if past + s > self.max_len:
-            raise EdgespecError(f"the sequence needs {past + s} positions but the model's "
-                                f"context holds {self.max_len}; shorten the prompt or "
-                                "max_new_tokens.")
-        if positions is None:
-            positions = np.arange(past, past + s, dtype=np.int64)
-        if bias is None:
-            bias = causal_bias(past, s)
-        self.binding.bind_cpu_input("input_ids", ids)
-        self.binding.bind_cpu_input("position_ids",
-                                    np.asarray(positions, dtype=np.int64).reshape(1, -1))
-        self.binding.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))
-        out = self._logits_buffer(s)
+        past = self.cache.length
+        feeds = step_inputs(ids, positions, bias, past, self.max_len)
+        for name, value in zip(STEP_INPUTS, feeds, strict=True):
+            self.binding.bind_cpu_input(name, value)
+        s = feeds[0].shape[1]
+        self.logits.bind(s, reuse=not isinstance(self.cache, ConcatKVCache))
         self.cache.before_run(self.binding)
         t0 = time.perf_counter()
         self.session.run_with_iobinding(self.binding)
         self.run_s += time.perf_counter() - t0
         self.cache.after_run(self.binding, past + s)
-        if out is None:
-            return self.binding.get_outputs()[0].numpy()[0]
-        return out[0].copy()
+        return self.logits.read()
 
-    def _logits_buffer(self, s: int) -> np.ndarray | None:
-        """Bind logits to a reused host buffer for the small S of decoding steps, which
-        spares ONNX Runtime an allocation and Python the wrapping of every output."""
-        if s > 64 or isinstance(self.cache, ConcatKVCache):
+
+STEP_INPUTS = ("input_ids", "position_ids", "attention_bias")
+
+
+def step_inputs(ids: list[int] | np.ndarray, positions: np.ndarray | None,
+                bias: np.ndarray | None, past: int, max_len: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The graph contract's per-step inputs, a left-to-right chunk unless told otherwise;
+    a sequence the KV cache cannot hold is the user's error, said before any work."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+    s = ids.shape[1]
+    if past + s > max_len:
+        raise EdgespecError(f"the sequence needs {past + s} positions but the model's "
+                            f"context holds {max_len}; shorten the prompt or "
+                            "max_new_tokens.")
+    if positions is None:
+        positions = np.arange(past, past + s, dtype=np.int64)
+    if bias is None:
+        bias = causal_bias(past, s)
+    return (ids, np.asarray(positions, dtype=np.int64).reshape(1, -1),
+            np.ascontiguousarray(bias, np.float32))
+
+
+class LogitsOutput:
+    """The `logits` output, bound to a reused host buffer for the small S of decoding
+    steps, which spares ONNX Runtime an allocation and Python the wrapping of every
+    output. It must be the binding's first output (bound before anything else)."""
+
+    def __init__(self, binding: ort.IOBinding, vocab: int):
+        self.binding, self.vocab = binding, vocab
+        self._buffers: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}
+        self._out: np.ndarray | None = None
+        binding.bind_output("logits", "cpu")
+
+    def bind(self, s: int, reuse: bool = True) -> None:
+        if s > 64 or not reuse:
             self.binding.bind_output("logits", "cpu")  # fresh: its shape follows S
-            return None
+            self._out = None
+            return
         if s not in self._buffers:
             array = np.empty((1, s, self.vocab), dtype=np.float32)
             self._buffers[s] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-        array, value = self._buffers[s]
+        self._out, value = self._buffers[s]
         self.binding.bind_ortvalue_output("logits", value)
-        return array
+
+    def read(self) -> np.ndarray:
+        """The last run's logits [S, V], the caller's to keep."""
+        if self._out is None:
+            return self.binding.get_outputs()[0].numpy()[0]
+        return self._out[0].copy()

@@ -7,6 +7,9 @@ on it and `session.get_providers()` still names it.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+
 import onnxruntime as ort
 
 from edgespec.errors import EdgespecError
@@ -44,3 +47,17 @@ def check_session(session: ort.InferenceSession, device: str, providers: list[st
         if name in got:
             return next(d for d, p in PROVIDER.items() if p == name)
     return "cpu"
+
+
+def nvidia_smi(fields: str) -> list[str]:
+    """Rows of `nvidia-smi --query-gpu=fields`, one per GPU; raises OSError when there is
+    no NVIDIA driver to ask."""
+    tool = shutil.which("nvidia-smi")
+    if tool is None:
+        raise OSError("no nvidia-smi: no NVIDIA driver here")
+    try:
+        out = subprocess.run([tool, f"--query-gpu={fields}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except subprocess.SubprocessError as e:
+        raise OSError(f"nvidia-smi failed: {e}") from None
+    return [line.strip() for line in out.splitlines() if line.strip()]

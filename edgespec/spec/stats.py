@@ -21,6 +21,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     runtime_s: float = 0.0  # inside ONNX Runtime (all sessions); the rest is engine overhead
+    transfer_s: float = 0.0  # of runtime_s: streaming offloaded weights to the device
     device: str = "cpu"
 
     @property
