@@ -1,0 +1,235 @@
+"""Offload: segment graphs, streamed weights, the memory planner and `edgespec plan`.
+
+The oracle for segments is the whole graph in one session (itself parity-tested against
+PyTorch in test_export); the oracle for plans is arithmetic done by hand in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import edgespec
+from edgespec.bundle import read_manifest
+from edgespec.errors import EdgespecError
+from edgespec.runtimes.decoder import NEG_INF, DecoderSession, KVMover
+from edgespec.runtimes.planner import Costs, ModelSizes, make_plan, parse_bytes
+from edgespec.runtimes.segments import Placement, SegmentedDecoder
+from tests.test_cli import assert_user_error, run
+
+CPU = ["CPUExecutionProvider"]
+MiB = 1 << 20
+PROMPTS = ["def parse(", "class Stack:\n    def", "import os\n\ndef walk(", "# sum a list\n"]
+
+
+def splits(layers: int) -> dict[str, list[Placement]]:
+    """Units 0..layers (the head is unit `layers`) cut in different ways."""
+    units = layers + 1
+    return {
+        "two": [Placement(0, 3), Placement(3, units)],
+        "every unit": [Placement(u, u + 1) for u in range(units)],
+        "streamed middle": [Placement(0, 2), Placement(2, 4, streamed=True),
+                            Placement(4, layers), Placement(layers, units)],
+        "all streamed": [Placement(0, layers, streamed=True), Placement(layers, units)],
+    }
+
+
+def tree_pass(model, prefix: list[int]) -> np.ndarray:
+    """Prefill, two steps, then a 3-node tree (a; b and c children of a)."""
+    out = [model.forward(prefix), model.forward([11]), model.forward([12])]
+    past = model.cache.length
+    bias = np.zeros((1, 1, 3, past + 3), np.float32)
+    bias[0, 0, 2, past + 1] = NEG_INF
+    out.append(model.forward([77, 123, 555], positions=np.array([past, past + 1, past + 1]),
+                             bias=bias))
+    model.cache.compact(past + 1, [past + 2])  # keep a then c, as verification would
+    out.append(model.forward([31]))
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("split", ["two", "every unit", "streamed middle", "all streamed"])
+def test_segments_give_the_whole_graphs_logits(demo_bundle, split):
+    m = read_manifest(demo_bundle)
+    path = demo_bundle / m.target.graph
+    whole = DecoderSession(path, m.target, CPU, "cpu", max_len=128)
+    seg = SegmentedDecoder(path, m.target, splits(m.target.num_layers)[split], max_len=128)
+    prefix = list(range(3, 40, 2))
+    want, got = tree_pass(whole, prefix), tree_pass(seg, prefix)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+    assert seg.cache.length == whole.cache.length
+    assert seg.device == "cpu"
+
+
+@pytest.fixture(scope="module")
+def int4_bundle(tmp_path_factory, demo_target):
+    """Quantized weights with fp32 activations (accuracy_level 0), the arithmetic the
+    streamed path's kernel uses when weights arrive as inputs."""
+    from edgespec.export import export
+
+    out = tmp_path_factory.mktemp("int4") / "bundle"
+    export(demo_target, out, precision="int4", accuracy_level=0)
+    return out
+
+
+def test_streamed_quantized_weights_match_resident_ones(int4_bundle):
+    m = read_manifest(int4_bundle)
+    path = int4_bundle / m.target.graph
+    layers = m.target.num_layers
+    whole = DecoderSession(path, m.target, CPU, "cpu", max_len=128)
+    seg = SegmentedDecoder(path, m.target, splits(layers)["all streamed"], max_len=128)
+    assert sum(s.weight_bytes for s in seg.segments) > 0.5 * sum(
+        ModelSizes.of(path, m.target).layers)  # the layer weights really are inputs
+    prefix = list(range(5, 30))
+    want, got = tree_pass(whole, prefix), tree_pass(seg, prefix)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def offloaded(demo_bundle):
+    m = read_manifest(demo_bundle)
+    layers = m.target.num_layers
+    return edgespec.load(demo_bundle, device="cpu", context=512,
+                         placements=splits(layers)["streamed middle"])
+
+
+@pytest.mark.parametrize("options", [
+    dict(mode="spec"),
+    dict(mode="spec", tree_budget=64, tree_best_first=True),
+    dict(mode="spec", tree_budget=12, tree_depth=3),
+    dict(mode="lookup"),
+])
+def test_greedy_output_with_a_segmented_target_equals_ar(engine, offloaded, options):
+    for prompt in PROMPTS:
+        want = engine.generate(prompt, max_new_tokens=40, mode="ar").token_ids
+        got = offloaded.generate(prompt, max_new_tokens=40, **options)
+        assert got.token_ids == want
+        assert got.stats.device == "cpu"
+        assert 0 <= got.stats.transfer_s <= got.stats.runtime_s
+
+
+def test_kv_mover_compacts_in_place_like_numpy():
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal((1, 2, 16, 4)).astype(np.float32) for _ in range(4)]
+    want = [a.copy() for a in arrays]
+    for a in want:
+        a[:, :, 5:8] = a[:, :, [9, 12, 13]]
+    values = [ort.OrtValue.ortvalue_from_numpy(a) for a in arrays]
+    KVMover(4, np.float32, "cpu").move([(values[0], values[1]), (values[2], values[3])], 5,
+                                       [9, 12, 13])
+    for a, w in zip(arrays, want, strict=True):
+        assert np.array_equal(a, w)
+
+
+def test_bad_segment_plans_are_refused(demo_bundle):
+    m = read_manifest(demo_bundle)
+    path, units = demo_bundle / m.target.graph, m.target.num_layers + 1
+    for bad in ([Placement(0, 3)], [Placement(0, 2), Placement(3, units)],
+                [Placement(1, units)], []):
+        with pytest.raises(EdgespecError, match="cover units"):
+            SegmentedDecoder(path, m.target, bad)
+
+
+# the planner, on sizes whose plans are worked out by hand in each test
+SIZES = ModelSizes(embed=50 * MiB, head=60 * MiB, layers=[100 * MiB] * 10, shared=0,
+                   kv_per_token=10 * 1024)  # 1 KiB per layer per token: 1 MiB at 1024
+DRAFT = ModelSizes(embed=10 * MiB, head=10 * MiB, layers=[5 * MiB] * 2, shared=0,
+                   kv_per_token=1024)  # 30 MiB + 1 MiB of KV
+GPU = (5e-5, 2e-7)
+
+
+def plan(budget_mib: int, costs: Costs, draft: ModelSizes | None = DRAFT):
+    return make_plan(SIZES, budget_mib * MiB, 1024, costs, draft, group_bytes=200 * MiB)
+
+
+def spans(p) -> list[tuple]:
+    return [(x.start, x.stop, x.device, x.streamed) for x in p.placements]
+
+
+def test_a_model_that_fits_is_not_offloaded():
+    p = plan(2048, Costs(10e9, (0.05, 0.0), GPU))  # 60 + 31 + 10 + 50 + 1000 MiB
+    assert p.offload == "none" and spans(p) == [(0, 11, "cuda", False)]
+    assert p.gpu_bytes == (60 + 31 + 10 + 1050) * MiB
+    assert p.tree_budget == 0
+
+
+def test_slow_cpu_and_fast_pcie_stream_the_offloaded_layers():
+    """1000 MiB: head 60 + draft 31 leave 909; streaming reserves embedding 50, KV 10 and
+    two 2-layer buffers 400, so 449 MiB hold 4 layers; 6 layers are streamed in groups
+    of two. A streamed layer costs 100 MiB / 10 GB/s = 10.5 ms whatever the tokens, so
+    the whole 1024-node tree fits within the 25% slack."""
+    p = plan(1000, Costs(10e9, (0.05, 0.0), GPU))
+    assert p.offload == "streamed" and p.resident_layers == 4
+    assert spans(p) == [(0, 4, "cuda", False), (4, 6, "cuda", True), (6, 8, "cuda", True),
+                        (8, 10, "cuda", True), (10, 11, "cuda", False)]
+    copy = 100 * MiB / 10e9
+    assert p.pass_s[1] == pytest.approx(4 * (5e-5 + 2e-7) + 6 * copy)
+    assert p.tree_budget == 1024
+    assert p.gpu_bytes == (60 + 31 + 10 + 400 + 50 + 400) * MiB
+    assert p.draft_device == "cuda"
+
+
+def test_fast_cpu_and_slow_pcie_compute_offloaded_layers_on_the_cpu():
+    """Same budget; a CPU layer costs 2 ms + 1 ms/token, a streamed one 105 ms. CPU
+    layers keep their KV in host memory, so 909 - 50 MiB hold 8 layers with their
+    1 MiB of KV each. pass(1) = 8 gpu(1) + 2 * 3 ms; pass(2) adds 2 ms, more than
+    25% of 6.4 ms: the tree budget stays 1."""
+    p = plan(1000, Costs(1e9, (2e-3, 1e-3), GPU))
+    assert p.offload == "cpu" and p.resident_layers == 8
+    assert spans(p) == [(0, 8, "cuda", False), (8, 10, "cpu", False), (10, 11, "cuda", False)]
+    assert p.pass_s[1] == pytest.approx(8 * (5e-5 + 2e-7) + 2 * 3e-3)
+    assert p.tree_budget == 1
+    assert p.gpu_bytes == (60 + 31 + 8 + 50 + 800) * MiB
+
+
+def test_tiny_budgets():
+    with pytest.raises(EdgespecError, match="LM head"):
+        plan(50, Costs(10e9, (0.05, 0.0), GPU))
+    # 80 MiB: the head fits, the draft (31) does not and runs on the CPU; nothing else fits,
+    # so every layer and the embedding run on the CPU
+    p = plan(80, Costs(10e9, (0.05, 0.0), GPU))
+    assert p.draft_device == "cpu" and p.offload == "cpu" and p.resident_layers == 0
+    assert spans(p)[0] == (0, 2, "cpu", False) and spans(p)[-1] == (10, 11, "cuda", False)
+    assert "embedding" in p.items[2].what and p.items[2].where == "cpu"
+
+
+def test_parse_bytes():
+    assert parse_bytes("6GiB") == 6 << 30
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("1.5 gib") == 3 << 29
+    with pytest.raises(EdgespecError, match="memory size"):
+        parse_bytes("six gigs")
+
+
+def test_plan_sizes_add_up_to_the_bundles_weights(demo_bundle):
+    m = read_manifest(demo_bundle)
+    sizes = ModelSizes.of(demo_bundle / m.target.graph, m.target)
+    data = (demo_bundle / m.target.data_files[0]).stat().st_size
+    # constants under ONNX's 1 KiB external-data threshold are stored in the graph itself
+    assert abs(sizes.total - data) < 64 * 1024
+    assert len(set(sizes.layers)) == 1  # identical layers weigh the same
+    assert sizes.kv_per_token == 2 * 6 * 2 * 64 * 4  # K and V, 6 layers, 2 heads, fp32
+
+
+def test_plan_command(demo_bundle):
+    r = run("plan", str(demo_bundle), "--gpu-memory", "16MiB", "--context", "1024", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["offload"] in ("streamed", "cpu") and got["gpu_bytes"] <= 16 * MiB
+    assert got["segments"][-1]["start"] == 6 and got["segments"][0]["start"] == 0
+    assert "GPU layer times (no GPU here)" in got["assumed"]
+    table = run("plan", str(demo_bundle), "--gpu-memory", "16MiB")
+    assert table.returncode == 0 and "target LM head" in table.stdout
+    assert_user_error(run("plan", str(demo_bundle)), "--gpu-memory")
+    assert_user_error(run("generate", "x", "--device", "cpu", "--gpu-memory", "1GiB"),
+                      "does not use CUDA")
+
+
+def test_device_auto_reports_the_cpu_here():
+    r = run("generate", "def f(", "--max-new-tokens", "4", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["stats"]["device"] == "cpu"
