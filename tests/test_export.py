@@ -22,7 +22,7 @@ from tests.conftest import torch_logits, torch_model
 CPU = ["CPUExecutionProvider"]
 FP32_TOL = 1e-4  # max abs logit diff, fp32 graph vs PyTorch fp32 (observed ~1e-6)
 W8_TOL = 2e-3  # int8 graph (fp32 activations) vs PyTorch on the same dequantized weights
-A8_TOL = 0.25  # int8 activations too (accuracy_level 4): observed max abs diff ~XXX
+A8_TOL = 0.25  # int8 activations too (accuracy_level 4): observed 0.11-0.14 (logits up to ~16)
 # quantized (accuracy_level 4) vs fp16 next-token distributions on 256 tokens of held-out
 # code; observed over six held-aside files: int8 top-1 0.977-1.0, KL <= 2e-4; int4 top-1
 # 0.875-0.99, KL <= 0.014 (on the file tested: 0.992 / 2e-4 and 0.945 / 0.0136)

@@ -157,14 +157,15 @@ def expected_tokens(budget: int, acceptance: float) -> float:
 
 def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
               draft: ModelSizes | None = None, slack: float = 0.25,
-              acceptance: float = 0.8, group_bytes: int = 512 << 20) -> Plan:
+              acceptance: float = 0.8, group_bytes: int | None = None) -> Plan:
     """Place the target (and draft) in `budget` bytes of GPU memory.
 
     Order of residency: the target's LM head and the per-segment constants, the draft
     with its KV cache, the target's KV cache for every layer the GPU computes, two
     buffers for streamed weights, then target layers from the first on (the embedding
     rides with layer 0). Offloaded layers are grouped into segments of about
-    `group_bytes`, each streamed or on the CPU as the cost model decides.
+    `group_bytes` (default: 512 MiB, at most an eighth of the layers' weights), each
+    streamed or on the CPU as the cost model decides.
     """
     items: list[Item] = []
     free = budget
@@ -197,6 +198,8 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
     # offloaded layers in groups of ~group_bytes; streaming keeps two groups' buffers and
     # every layer's KV on the GPU, CPU layers keep their KV in host memory
     largest = max(sizes.layers)
+    if group_bytes is None:
+        group_bytes = min(512 << 20, sum(sizes.layers) // 8)
     per_group = max(1, min(layers, group_bytes // max(largest, 1)))
     buffers = 2 * per_group * largest
     kv_layer = kv // layers
