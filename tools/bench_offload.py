@@ -72,16 +72,17 @@ def overhead(bundle: Path, steps: int, threads: int) -> dict:
     m = read_manifest(bundle, verify=False)
     path, layers = bundle / m.target.graph, m.target.num_layers
     third = max(1, layers // 3)
-    groups = [Placement(a, min(a + third, layers)) for a in range(0, layers, third)]
-    head = Placement(layers, layers + 1)
+    groups = [Placement(a + 1, min(a + third, layers) + 1) for a in range(0, layers, third)]
+    embed, head = Placement(0, 1), Placement(layers + 1, layers + 2)
+    n = len(groups) + 2
     models = {
         "one session": DecoderSession(path, m.target, ["CPUExecutionProvider"], "cpu",
                                       max_len=512, threads=threads),
-        f"{len(groups) + 1} segments, resident": SegmentedDecoder(
-            path, m.target, [*groups, head], 512, threads),
-        f"{len(groups) + 1} segments, streamed": SegmentedDecoder(
-            path, m.target, [Placement(g.start, g.stop, streamed=True) for g in groups]
-            + [head], 512, threads),
+        f"{n} segments, resident": SegmentedDecoder(
+            path, m.target, [embed, *groups, head], 512, threads),
+        f"{n} segments, streamed": SegmentedDecoder(
+            path, m.target, [embed, *(Placement(g.start, g.stop, streamed=True)
+                                      for g in groups), head], 512, threads),
     }
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 4000, 32)]
     rows, reference = {}, None

@@ -7,11 +7,11 @@ AR vs speculative tokens/s side by side.
 
 Part 2, offload: a random-init Qwen2.5-1.5B-shaped target (fp16, cuda profile) with a
 SubSpec-style draft (the same weights at int8: a random-init model's distributions are so
-flat that an int4 copy agrees on ~10% of tokens, too few to say anything), under a GPU budget that holds about a
-third of the target's layers: the plan, AR tokens/s with the offloaded target vs the
-planned SpecExec-style tree, tokens per target pass, the share of time in weight
-transfers, and the resident (no budget) AR speed for reference. Greedy tree output must
-equal greedy AR output.
+flat that an int4 copy agrees on ~10% of tokens, too few to say anything), under a GPU
+budget that holds about a third of the target's layers: the plan, AR tokens/s with the
+offloaded target vs the planned SpecExec-style tree, tokens per target pass, the share of
+time in weight transfers, and the resident (no budget) AR speed for reference. Greedy
+tree output must equal greedy AR output.
 
     pip install torch==2.13.0 ".[test]" onnxruntime-gpu && python tools/gpu_check.py
     python tools/gpu_check.py --smoke   # part 2's plumbing on the CPU, tiny model

@@ -194,8 +194,11 @@ def causal_bias(past: int, s: int) -> np.ndarray:
 
 def open_session(path: Path, providers: list[str], threads: int = 0,
                  model: bytes | None = None) -> ort.InferenceSession:
-    """A session on the graph at `path`, or on `model` (a graph built from it, e.g. a
-    segment) whose external weights ONNX Runtime then reads from path's directory."""
+    """A session on the graph at `path`, or on `model` (a segment cut from it) whose
+    external weights ONNX Runtime then reads from path's directory.
+
+    Segments run one after another, each session with its own thread pool, so a
+    segment's idle threads must not spin waiting for work while the next one runs."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
@@ -203,6 +206,7 @@ def open_session(path: Path, providers: list[str], threads: int = 0,
     if model is not None:
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                       str(path.parent.resolve()))
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(model if model is not None else str(path), opts,
                                     providers=providers)

@@ -155,17 +155,29 @@ def expected_tokens(budget: int, acceptance: float) -> float:
     return float((1 - acceptance ** (depth + 1)) / (1 - acceptance))
 
 
+def _merge(placements: list[Placement]) -> list[Placement]:
+    """Fuse neighbours on the same device with resident weights: fewer sessions to run."""
+    out: list[Placement] = []
+    for p in placements:
+        if out and out[-1].device == p.device and not (out[-1].streamed or p.streamed):
+            out[-1] = Placement(out[-1].start, p.stop, p.device)
+        else:
+            out.append(p)
+    return out
+
+
 def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
               draft: ModelSizes | None = None, slack: float = 0.25,
               acceptance: float = 0.8, group_bytes: int | None = None) -> Plan:
     """Place the target (and draft) in `budget` bytes of GPU memory.
 
     Order of residency: the target's LM head and the per-segment constants, the draft
-    with its KV cache, the target's KV cache for every layer the GPU computes, two
-    buffers for streamed weights, then target layers from the first on (the embedding
-    rides with layer 0). Offloaded layers are grouped into segments of about
-    `group_bytes` (default: 512 MiB, at most an eighth of the layers' weights), each
-    streamed or on the CPU as the cost model decides.
+    with its KV cache, then (when not everything fits) the target's KV cache for every
+    layer the GPU computes, two buffers for streamed weights, and target layers from the
+    first on. An offloaded plan leaves the embedding table in host memory (a pass gathers
+    S rows of it). Offloaded layers are streamed in groups of about `group_bytes`
+    (default: 512 MiB, at most an eighth of the layers' weights) or computed by the CPU,
+    as the cost model decides.
     """
     items: list[Item] = []
     free = budget
@@ -178,6 +190,7 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
         return fits
 
     layers = len(sizes.layers)
+    head = Placement(layers + 1, layers + 2, "cuda")
     if not take("target LM head + final norm", sizes.head + sizes.shared):
         raise EdgespecError(f"a GPU budget of {fmt_bytes(budget)} cannot even hold the "
                             f"target's LM head ({fmt_bytes(sizes.head)}); give more GPU "
@@ -187,16 +200,15 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
         draft_device = "cuda" if take("draft model + its KV cache",
                                       draft.total + draft.kv_per_token * context) else "cpu"
     kv = sizes.kv_per_token * context
-    everything = sizes.embed + sum(sizes.layers) + kv
-    if everything <= free:
+    if sizes.embed + sum(sizes.layers) + kv <= free:
         take("target KV cache", kv)
         take("target embedding + all layers", sizes.embed + sum(sizes.layers))
         pass_s = {t: layers * costs.gpu(t) for t in BUDGETS}
-        return Plan(budget, items, [Placement(0, layers + 1, "cuda")], layers, "none", 0,
+        return Plan(budget, items, [Placement(0, layers + 2, "cuda")], layers, "none", 0,
                     pass_s, draft_device)
 
-    # offloaded layers in groups of ~group_bytes; streaming keeps two groups' buffers and
-    # every layer's KV on the GPU, CPU layers keep their KV in host memory
+    # streaming keeps every layer's KV and two groups' buffers on the GPU; CPU layers
+    # keep their KV in host memory
     largest = max(sizes.layers)
     if group_bytes is None:
         group_bytes = min(512 << 20, sum(sizes.layers) // 8)
@@ -211,11 +223,9 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
             r += 1
         return r
 
-    options = {}
-    if sizes.embed + kv + buffers <= free:
-        options["streamed"] = resident_layers(free - sizes.embed - kv - buffers, 0)
-    cpu_resident = resident_layers(free - sizes.embed, kv_layer)
-    options["cpu"] = cpu_resident if cpu_resident or sizes.embed <= free else 0
+    options = {"cpu": resident_layers(free, kv_layer)}
+    if kv + buffers <= free:
+        options["streamed"] = resident_layers(free - kv - buffers, 0)
     scores = {}
     for mode, resident in options.items():
         offloaded = sizes.layers[resident:]
@@ -233,28 +243,24 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
     _, tree, pass_s = scores[offload]
     resident = options[offload]
     streamed = offload == "streamed"
-    embed_gpu = streamed or resident > 0
     if streamed:
         take("target KV cache", kv)
         take("streaming buffers (2 layer groups)", buffers)
     elif resident:
         take(f"target KV cache ({_span(0, resident - 1)})", kv_layer * resident)
-    placements = []
-    if embed_gpu:
-        take("target embedding" + (f" + {_span(0, resident - 1)}" if resident else ""),
-             sizes.embed + sum(sizes.layers[:resident]))
+    items.append(Item("target embedding", sizes.embed, "cpu"))
+    placements = [Placement(0, 1, "cpu")]
     if resident:
-        placements.append(Placement(0, resident, "cuda"))
-    first = resident
-    while first < layers:
+        take(f"target {_span(0, resident - 1)}", sum(sizes.layers[:resident]))
+        placements.append(Placement(1, resident + 1, "cuda"))
+    for first in range(resident, layers, per_group):
         stop = min(first + per_group, layers)
-        placements.append(Placement(first, stop, "cuda" if streamed else "cpu", streamed))
-        with_embed = first == 0 and not embed_gpu
-        items.append(Item(f"target {_span(first, stop - 1)}" + " + embedding" * with_embed,
-                          sum(sizes.layers[first:stop]) + sizes.embed * with_embed, offload))
-        first = stop
-    placements.append(Placement(layers, layers + 1, "cuda"))
-    return Plan(budget, items, placements, resident, offload, tree, pass_s, draft_device)
+        items.append(Item(f"target {_span(first, stop - 1)}", sum(sizes.layers[first:stop]),
+                          offload))
+        placements.append(Placement(first + 1, stop + 1, "cuda" if streamed else "cpu",
+                                    streamed))
+    return Plan(budget, items, _merge([*placements, head]), resident, offload, tree, pass_s,
+                draft_device)
 
 
 ASSUMED_BANDWIDTH = 16e9  # PCIe 4.0 x16 as measured in practice, when no GPU is here to ask
@@ -263,8 +269,8 @@ ASSUMED_BANDWIDTH = 16e9  # PCIe 4.0 x16 as measured in practice, when no GPU is
 def _time_layer(path: Path, model: onnx.ModelProto, entry: ModelEntry, device: str,
                 tokens: int, threads: int, repeats: int = 5) -> float:
     """Seconds one target layer takes on `device` for a pass of `tokens` tokens."""
-    layer = min(1, entry.num_layers - 1)
-    seg = _Segment(path, model, entry, Placement(layer, layer + 1, device), tokens + 1,
+    unit = min(2, entry.num_layers)  # a layer after the first: the usual two inputs
+    seg = _Segment(path, model, entry, Placement(unit, unit + 1, device), tokens + 1,
                    threads)
     rng = np.random.default_rng(0)
     dtype = np.dtype(entry.kv_dtype)

@@ -6,9 +6,10 @@ their weights stay in host memory and become graph inputs that ONNX Runtime copi
 device for each pass. The bundle keeps its single decoder graph; segments are cut from it
 at load time, so any split the planner picks works on any bundle.
 
-Units: unit i < L is layer i (unit 0 also carries the embedding), unit L is the final norm
-and LM head. A cut between units passes two tensors, the residual stream and the last
-layer's output, because every norm is fused with the residual add
+Units: unit 0 is the embedding, unit i + 1 is layer i, unit L + 1 the final norm and LM
+head. Keeping the embedding apart lets an offloaded plan leave the table in host memory:
+a pass gathers only S rows. A cut after a layer passes two tensors, the residual stream
+and the layer's output, because every later norm is fused with the residual add
 (SkipSimplifiedLayerNormalization): they are the first two inputs of the next unit's norm.
 """
 
@@ -50,13 +51,20 @@ class Placement:
 
 
 def _boundary(graph: onnx.GraphProto, unit: int, num_layers: int) -> list[str]:
-    """The two tensors entering `unit`: residual stream and the previous layer's output."""
-    name = "final.norm" if unit == num_layers else f"layers.{unit}.norm1"
+    """The tensors entering `unit` (>= 1): the embedded tokens for layer 0, else the
+    residual stream and the previous layer's output."""
+    name = "final.norm" if unit == num_layers + 1 else f"layers.{unit - 1}.norm1"
     node = next((n for n in graph.node if n.name == name), None)
-    if node is None or len(node.input) < 2 or not node.input[1]:
-        raise EdgespecError(f"this graph cannot be cut before unit {unit} (no fused norm "
+    width = 1 if unit == 1 else 2
+    if node is None or len(node.input) < width or not all(node.input[:width]):
+        raise EdgespecError(f"this graph cannot be cut before unit {unit} (no norm "
                             f"'{name}'); re-export the bundle with this edgespec.")
-    return list(node.input[:2])
+    return list(node.input[:width])
+
+
+def layers_of(placement: Placement, num_layers: int) -> range:
+    """The decoder layers among a placement's units."""
+    return range(max(placement.start, 1) - 1, min(placement.stop, num_layers + 1) - 1)
 
 
 def _consumed(node: onnx.NodeProto) -> list[str]:
@@ -94,8 +102,8 @@ def cut(model: onnx.ModelProto, entry: ModelEntry, placement: Placement
     g, layers = model.graph, entry.num_layers
     start, stop = placement.start, placement.stop
     hidden_in = _boundary(g, start, layers) if start > 0 else []
-    hidden_out = ["logits"] if stop == layers + 1 else _boundary(g, stop, layers)
-    own = range(start, min(stop, layers))
+    hidden_out = ["logits"] if stop == layers + 2 else _boundary(g, stop, layers)
+    own = layers_of(placement, layers)
     kv_out = [f"present_{kind}_{i}" for i in own for kind in ("key", "value")]
     producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
     inits = {t.name: t for t in g.initializer}
@@ -149,7 +157,7 @@ class _Segment:
             _array(t, path.parent))) for t in streamed}
         self.weight_bytes = sum(_nbytes(t) for t in streamed)
         self.cache = KVCache(entry, max_len, self.device,
-                             range(placement.start, min(placement.stop, entry.num_layers)))
+                             layers_of(placement, entry.num_layers))
         self.binding = self.session.io_binding()
         self.logits = None
         if self.hidden_out == ["logits"]:
@@ -212,7 +220,7 @@ class SegmentedDecoder:
 
     def __init__(self, path: Path, entry: ModelEntry, placements: list[Placement],
                  max_len: int | None = None, threads: int = 0, overlap: bool = True):
-        units = entry.num_layers + 1
+        units = entry.num_layers + 2
         spans = [(p.start, p.stop) for p in placements]
         if (not placements or spans[0][0] != 0 or spans[-1][1] != units
                 or any(a[1] != b[0] for a, b in zip(spans, spans[1:], strict=False))
