@@ -143,7 +143,8 @@ class Plan:
     def summary(self) -> str:
         if self.offload == "none":
             return f"everything on the GPU ({fmt_bytes(self.gpu_bytes)})"
-        return (f"{self.resident_layers} target layers resident, the rest {self.offload}; "
+        n = self.resident_layers
+        return (f"{n} target layer{'s' * (n != 1)} resident, the rest {self.offload}; "
                 f"tree budget {self.tree_budget}")
 
 
