@@ -328,8 +328,9 @@ class Engine:
         budget = min(config.max_new_tokens, self.context_length - len(ids))
         if config.mode == "spec" and not config.tree_budget and self.plan is not None:
             # an offloaded pass costs about the same for one token or hundreds: verify
-            # the large best-first tree the planner sized (SpecExec)
-            config = replace(config, tree_budget=self.plan.tree_budget, tree_best_first=True)
+            # the large best-first tree the planner sized, deep enough to use it (SpecExec)
+            config = replace(config, tree_budget=self.plan.tree_budget, tree_best_first=True,
+                             tree_depth=max(config.tree_depth, 16))
         if config.mode == "ar":
             steps = ar_decode(self.target, ids, config.sampling, rng, stats)
         elif config.mode == "spec" and config.tree_budget:
@@ -347,7 +348,7 @@ class Engine:
         stop = _StopStrings(config.stop)
         produced: list[int] = []
         runtime0 = sum(m.run_s for m in self._sessions)
-        transfer0 = getattr(self.target, "transfer_s", 0.0)
+        transfer0 = self.target.transfer_s
         for step_tokens in steps:
             tokens: list[int] = []
             text, finish = "", None
@@ -367,7 +368,7 @@ class Engine:
             stats.new_tokens = len(produced)
             stats.wall_s = time.perf_counter() - start
             stats.runtime_s = sum(m.run_s for m in self._sessions) - runtime0
-            stats.transfer_s = getattr(self.target, "transfer_s", 0.0) - transfer0
+            stats.transfer_s = self.target.transfer_s - transfer0
             if finish is None and cancel.is_set():
                 finish = "cancelled"
             if finish:

@@ -239,3 +239,23 @@ def test_plan_command(demo_bundle):
 def test_device_auto_reports_the_cpu_here():
     r = run("generate", "def f(", "--max-new-tokens", "4", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["stats"]["device"] == "cpu"
+
+
+def test_a_planned_offload_verifies_large_best_first_trees_losslessly(engine, demo_bundle):
+    """With a plan (made here for a small GPU and a fast link, as CUDA start-up would),
+    spec mode grows and verifies the planned best-first tree; greedy output stays AR's."""
+    m = read_manifest(demo_bundle)
+    sizes = ModelSizes.of(demo_bundle / m.target.graph, m.target)
+    plan = make_plan(sizes, 12 * MiB, 512, Costs(16e9, (1e-4, 2e-5), GPU))
+    assert plan.offload == "streamed" and plan.tree_budget >= 64
+    offloaded = edgespec.load(demo_bundle, device="cpu", context=512, placements=[
+        Placement(p.start, p.stop, "cpu", p.streamed) for p in plan.placements])
+    offloaded.plan = plan
+    for prompt in PROMPTS[:2]:
+        want = engine.generate(prompt, max_new_tokens=32, mode="ar").token_ids
+        got = offloaded.generate(prompt, max_new_tokens=32, mode="spec")
+        assert got.token_ids == want
+        # each target pass verified a tree of about the planned size
+        decode_passes = got.stats.target_passes - 1
+        assert got.stats.drafted > 0.5 * plan.tree_budget * decode_passes
+        assert got.stats.tokens_per_target_pass > 1

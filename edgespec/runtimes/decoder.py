@@ -229,6 +229,7 @@ class DecoderSession:
                  shared: ort.InferenceSession | None = None):
         self.session = shared or open_session(path, providers, threads)
         self.run_s = 0.0  # seconds spent inside ONNX Runtime, for overhead accounting
+        self.transfer_s = 0.0  # of run_s, moving weights to the device: none, all resident
         self.device = check_session(self.session, device, providers)
         self.entry = entry
         self.max_len = min(max_len or entry.max_positions, entry.max_positions)

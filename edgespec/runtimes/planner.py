@@ -62,6 +62,16 @@ def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
 
 
+def _initializers(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
+    """All of a graph's constants, those of its subgraphs (BitNest's If branches) too."""
+    found = list(graph.initializer)
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                found += _initializers(attr.g)
+    return found
+
+
 @dataclass
 class ModelSizes:
     """Weight bytes of a decoder graph by part, read off its initializers."""
@@ -81,7 +91,7 @@ class ModelSizes:
         graph = onnx.load(str(path), load_external_data=False).graph
         layers = [0] * entry.num_layers
         embed = head = shared = 0
-        for t in graph.initializer:
+        for t in _initializers(graph):
             n = _nbytes(t)
             m = re.match(r"layers\.(\d+)\.", t.name)
             if m:

@@ -179,8 +179,9 @@ class TreeDrafter:
         chain = lookup(np.asarray(tokens), min(self.lookup_tokens, budget, depth), 3)
         budget -= len(chain)  # the grafted branch must fit the budget too
         if self.best_first:
-            tree = expand_best_first(root_logits, step, params, self.top_k, self.top_k,
-                                     budget, depth, room)
+            # a large budget is grown in wide batches: ~16 draft passes whatever its size
+            tree = expand_best_first(root_logits, step, params, self.top_k,
+                                     max(self.top_k, budget // 16), budget, depth, room)
         else:
             tree = expand(root_logits, step, params, self.top_k, depth, budget)
         tree.graft(chain)
