@@ -14,22 +14,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.runtimes import DecoderSession, resolve_providers
-from edgespec.runtimes.planner import (
-    ModelSizes,
-    Plan,
-    free_gpu_bytes,
-    make_plan,
-    measure_costs,
-)
 from edgespec.runtimes.providers import PROVIDER
-from edgespec.runtimes.segments import Placement, SegmentedDecoder
 from edgespec.spec import (
     GenerationStats,
     LookupDrafter,
@@ -43,6 +35,10 @@ from edgespec.spec import (
 from edgespec.spec.adaptive import STOP_RULES, GammaController
 from edgespec.spec.drafters import TrimmedModel
 from edgespec.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # offload reads graphs with onnx: imported only by bundles that need it
+    from edgespec.runtimes.planner import Plan
+    from edgespec.runtimes.segments import Placement
 
 MODES = ("ar", "spec", "lookup")
 DEFAULT_CONTEXT = 8192  # 128k-context models would otherwise reserve gigabytes of KV
@@ -182,6 +178,8 @@ class Engine:
         if placements is None and providers[0] == PROVIDER["cuda"]:
             placements = self._plan_offload(gpu_memory, max_len, threads)
         if placements:
+            from edgespec.runtimes.segments import SegmentedDecoder
+
             self.target = SegmentedDecoder(target_path, m.target, placements, max_len, threads)
         else:
             self.target = DecoderSession(target_path, m.target, providers, device,
@@ -215,6 +213,8 @@ class Engine:
                       threads: int) -> list[Placement] | None:
         """Segments for a target too big for the GPU budget; None when it fits (or when
         no budget is known), and then nothing is measured."""
+        from edgespec.runtimes.planner import ModelSizes, free_gpu_bytes, make_plan, measure_costs
+
         budget = gpu_memory if gpu_memory is not None else free_gpu_bytes()
         if budget is None:
             return None

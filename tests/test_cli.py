@@ -125,8 +125,10 @@ def test_export_then_generate(tmp_path, demo_target, demo_draft):
 
 
 def test_import_is_light():
+    """Neither export's dependencies nor onnx (read only to cut offload segments)."""
     code = ("import sys, edgespec; edgespec.load; "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; print(bad)")
+            "bad = [m for m in ('torch', 'transformers', 'onnx') if m in sys.modules]; "
+            "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "[]", out.stderr
 

@@ -101,17 +101,12 @@ class GraphBuilder:
         """One graph for both BitNest models: the residual matmul runs only when the
         `use_residual` input is true (the target); the draft stops at the base."""
         outer, self.nodes = self.nodes, []
-        held = len(self.inits)
         residual = self._nbits(x, nw.residual, f"{name}.residual")
         self.node("Add", [base, residual], [f"{name}.full"], f"{name}.nest")
         then_nodes, self.nodes = self.nodes, outer
-        # the residual's codes live in the branch itself: ONNX Runtime then frees them once
-        # prepacked, where an outer-scope constant would be kept raw as well
-        then_inits, self.inits = self.inits[held:], self.inits[:held]
         then_branch = helper.make_graph(
             then_nodes, f"{name}.then", [],
-            [helper.make_tensor_value_info(f"{name}.full", self.onnx_dtype, None)],
-            initializer=then_inits)
+            [helper.make_tensor_value_info(f"{name}.full", self.onnx_dtype, None)])
         else_branch = helper.make_graph(
             [helper.make_node("Identity", [base], [f"{name}.base_only"])], f"{name}.else", [],
             [helper.make_tensor_value_info(f"{name}.base_only", self.onnx_dtype, None)])

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
 from edgespec.bundle import ModelEntry
 from edgespec.errors import EdgespecError
@@ -94,6 +93,8 @@ class KVMover:
     so a verified tree path is made contiguous without a round trip through the host."""
 
     def __init__(self, tensors: int, dtype: np.dtype, device: str):
+        from onnx import TensorProto, helper  # only device caches compact through a graph
+
         elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
         kv_shape = [1, "kv_heads", "max_length", "head_dim"]
         inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["n"])
