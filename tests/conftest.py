@@ -41,6 +41,17 @@ def fp32_bundle(tmp_path_factory, demo_target, demo_draft) -> Path:
 
 
 @pytest.fixture(scope="session")
+def nested_bundle(tmp_path_factory, demo_target) -> Path:
+    """BitNest: the demo target's W8 nest with its 4-bit base as the draft, fp32
+    activations so that references in PyTorch compare closely."""
+    from edgespec.export import export
+
+    out = tmp_path_factory.mktemp("nest") / "bundle"
+    export(demo_target, out, draft="nested", accuracy_level=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def engine(demo_bundle):
     import edgespec
 

@@ -8,7 +8,6 @@ import torch
 
 import edgespec
 from edgespec.bundle import read_manifest
-from edgespec.export import export
 from edgespec.quant.bitnest import nest
 from edgespec.quant.blockwise import dequantize
 from edgespec.runtimes import DecoderSession
@@ -50,13 +49,6 @@ def nested_reference(path, part: str):
                 module.weight.copy_(weight(module.weight.numpy()))
         model.lm_head.weight = torch.nn.Parameter(weight(model.lm_head.weight.numpy()))
     return model
-
-
-@pytest.fixture(scope="module")
-def nested_bundle(tmp_path_factory, demo_target):
-    out = tmp_path_factory.mktemp("nest") / "bundle"
-    export(demo_target, out, draft="nested", accuracy_level=0)
-    return out
 
 
 @pytest.mark.parametrize("role,part", [("target", "w8"), ("draft", "base")])

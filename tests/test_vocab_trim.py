@@ -9,6 +9,7 @@ import edgespec
 from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.export import export
+from edgespec.export.vocab_trim import retrim_bundle
 from edgespec.quant.vocab_trim import count_tokens, kept_tokens
 from edgespec.runtimes import DecoderSession
 from edgespec.spec import GenerationStats, ModelDrafter, SamplingParams, chain_decode
@@ -130,3 +131,36 @@ def test_retrim_an_exported_bundle(tmp_path, demo_target, demo_draft, precision)
     again = subprocess.run([sys.executable, "-m", "edgespec.cli", "vocab-trim",
                             str(tmp_path / "b"), "--k", "1024"], capture_output=True, text=True)
     assert again.returncode == 1 and "already keeps 512" in again.stderr
+
+
+@pytest.fixture(scope="module")
+def nested_trimmed(tmp_path_factory, demo_target):
+    out = tmp_path_factory.mktemp("nested_trim") / "b"
+    export(demo_target, out, draft="nested", vocab_trim=1024, accuracy_level=0)
+    return out
+
+
+def test_a_nested_draft_takes_a_trimmed_head(nested_trimmed, nested_bundle):
+    """BitNest + VocabTrim: the draft view of the one graph gives exactly the untrimmed
+    nested draft's logits on the kept rows; the target view still gives every row."""
+    m, full = read_manifest(nested_trimmed), read_manifest(nested_bundle)
+    kept = np.load(nested_trimmed / m.vocab_map)
+    assert m.draft.graph == m.target.graph and m.draft.vocab_size == len(kept) == 1024
+    ids = np.random.default_rng(1).integers(0, 4096, 16)
+
+    def logits(bundle, entry):
+        return DecoderSession(bundle / entry.graph, entry, ["CPUExecutionProvider"]).forward(ids)
+
+    small, wide = logits(nested_trimmed, m.draft), logits(nested_bundle, full.draft)
+    assert small.shape == (16, 1024)
+    assert np.abs(small - wide[:, kept]).max() < 1e-4
+    target = logits(nested_trimmed, m.target)
+    assert np.abs(target - logits(nested_bundle, full.target)).max() < 1e-4
+    engine = edgespec.load(nested_trimmed)
+    assert engine.draft.model.session is engine.target.session  # still one session
+    for prompt in ("def quicksort(items):", "class Stack:\n"):
+        ar = engine.generate(prompt, max_new_tokens=32, mode="ar")
+        for kwargs in (dict(mode="spec"), dict(mode="spec", tree_budget=8)):
+            assert engine.generate(prompt, max_new_tokens=32, **kwargs).token_ids == ar.token_ids
+    with pytest.raises(EdgespecError, match="nested in the target"):
+        retrim_bundle(nested_trimmed, 512)

@@ -6,8 +6,16 @@ Large-vocabulary shape: a random-init Qwen2.5-shaped draft (151,936 tokens, hidd
 trimming pays. Frequencies come from a corpus (the standard library's text) here: which
 rows are kept does not change the step time.
 
+Head-dominated pair (`--padded DIR`): the trained demo pair with its vocabulary padded
+to Qwen2.5's 151,936 ids. The new embedding/head rows are zero, so their logit is 0:
+never the greedy choice while the best real logit is positive (true on every step
+checked), so greedy decoding is the demo's own, but every step now reads a 151,936-row
+head, as real large-vocabulary pairs do. Sampling would be dominated by the zero rows, so
+this mode is greedy only and counts frequencies on a corpus.
+
     python tools/bench_vocab_trim.py --large /tmp/qwen_draft   # step time per K
     python tools/bench_vocab_trim.py --demo                    # acceptance per K, demo
+    python tools/bench_vocab_trim.py --padded /tmp/padded_pair # end to end, big head
 """
 
 from __future__ import annotations
@@ -48,6 +56,27 @@ def make_large_draft(path: Path) -> Path:
     return path
 
 
+def make_padded_pair(path: Path, vocab: int = 151936) -> Path:
+    """The demo pair with `vocab` ids: zero rows appended to the tied embedding/head."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for role in ("target", "draft"):
+        out = path / role
+        if (out / "config.json").exists():
+            continue
+        model = AutoModelForCausalLM.from_pretrained(HERE / "demo_pair" / role,
+                                                     dtype=torch.float32)
+        old = model.get_input_embeddings().weight.shape[0]
+        model.resize_token_embeddings(vocab, mean_resizing=False)
+        with torch.no_grad():
+            model.get_input_embeddings().weight[old:] = 0
+        model.to(torch.float16).save_pretrained(out)
+        for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(HERE / "demo_pair" / role / f, out / f)
+    return path
+
+
 def step_ms(bundle: Path, steps: int = 40) -> float:
     m = read_manifest(bundle, verify=False)
     sess = DecoderSession(bundle / m.draft.graph, m.draft, ["CPUExecutionProvider"],
@@ -80,21 +109,26 @@ def large(path: Path, ks: list[int]) -> list[dict]:
     return rows
 
 
-def demo(ks: list[int], prompts: int, new: int) -> list[dict]:
+def demo(ks: list[int], prompts: int, new: int, pair: Path = HERE / "demo_pair",
+         vocab: int = 4096, trim_source: str = "target") -> list[dict]:
     from measure_demo import CARD, held_out_prompts  # tools/ is on sys.path when run
 
     rows = []
     for k in ks:
         out = Path(tempfile.mkdtemp()) / "b"
-        export(HERE / "demo_pair" / "target", out, draft=HERE / "demo_pair" / "draft",
-               precision="fp16", draft_precision="int8", vocab_trim=k if k < 4096 else None,
-               console=QUIET)  # the shipped demo's precisions
+        export(pair / "target", out, draft=pair / "draft", precision="fp16",
+               draft_precision="int8", vocab_trim=k if k < vocab else None,
+               trim_source=trim_source, console=QUIET)  # the shipped demo's precisions
         engine = edgespec.load(out)
-        stats, differ = [], 0
+        shipped = edgespec.load() if vocab != 4096 else None  # the unpadded demo
+        stats, differ, unlike_demo = [], 0, 0
         for ids in held_out_prompts(engine, prompts, CARD):
             ar = engine.generate(ids, max_new_tokens=new, mode="ar")
             spec = engine.generate(ids, max_new_tokens=new, mode="spec", draft_tokens=4)
             differ += spec.token_ids != ar.token_ids
+            if shipped is not None:
+                unlike_demo += shipped.generate(ids, max_new_tokens=new,
+                                                mode="ar").token_ids != ar.token_ids
             stats.append((ar.stats, spec.stats))
 
         def tps(group):
@@ -108,7 +142,10 @@ def demo(ks: list[int], prompts: int, new: int) -> list[dict]:
                      "speedup_vs_ar": round(tps(spec_stats) / tps([a for a, _ in stats]), 2),
                      "draft_step_ms": round(1000 * sum(s.draft_s for s in spec_stats)
                                             / sum(s.draft_passes for s in spec_stats), 3),
-                     "greedy_outputs_differing_from_ar": differ})
+                     "greedy_outputs_differing_from_ar": differ,
+                     "ar_tokens_per_s": round(tps([a for a, _ in stats]), 1)})
+        if shipped is not None:
+            rows[-1]["ar_outputs_differing_from_the_unpadded_demo"] = unlike_demo
         print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(out.parent)
     return rows
@@ -118,6 +155,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--large", type=Path, help="build (or reuse) the 151,936-vocab draft here")
     ap.add_argument("--demo", action="store_true")
+    ap.add_argument("--padded", type=Path, help="build (or reuse) the padded demo pair here")
     ap.add_argument("--ks", type=int, nargs="+")
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--new", type=int, default=64)
@@ -128,6 +166,11 @@ def main() -> None:
     if args.demo:
         ks = args.ks or [256, 512, 1024, 2048, 4096]
         print(json.dumps({"demo_pair": demo(ks, args.prompts, args.new)}, indent=1))
+    if args.padded:
+        ks = args.ks or [8192, 16384, 32768, 65536, 151936]
+        corpus = f"corpus:{Path(sysconfig.get_paths()['stdlib']) / 'json'}"
+        rows = demo(ks, args.prompts, args.new, make_padded_pair(args.padded), 151936, corpus)
+        print(json.dumps({"padded_demo_pair": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,8 @@ def check_same_vocab(target: Path, draft: Path) -> None:
 def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_size: int,
                   accuracy_level: int, ep_profile: str, symmetric: bool,
                   progress: Progress, head_rows: np.ndarray | None = None,
-                  nested: str | None = None) -> ModelEntry:
+                  nested: str | None = None,
+                  draft_head_rows: np.ndarray | None = None) -> ModelEntry:
     task = progress.add_task(f"{role}: loading {ckpt_dir.name}", total=None)
     adapter = adapter_for(load_checkpoint(ckpt_dir))
     spec = adapter.spec
@@ -90,6 +91,7 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
                           head, precision, block_size, accuracy_level,
                           dtype=PROFILE_DTYPE[ep_profile], attention=attention,
                           symmetric=symmetric, nested=nested,
+                          draft_head_rows=draft_head_rows,
                           on_layer=lambda i: progress.advance(task))
     progress.update(task, description=f"{role}: writing {role}.onnx")
     onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
@@ -172,9 +174,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         raise EdgespecError(f"block size {block_size} is not supported; use 32, 64 or 128.")
     start = time.time()
     nested = draft == "nested"
-    if nested and (ep_profile == "dml" or vocab_trim):
-        raise EdgespecError("--draft nested works with the cpu and cuda profiles and "
-                            "without --vocab-trim in this version.")
+    if nested and ep_profile == "dml":
+        raise EdgespecError("--draft nested works with the cpu and cuda profiles.")
     target_dir = resolve_checkpoint(target, trust_remote_code)
     draft_dir = resolve_checkpoint(draft, trust_remote_code) if draft and not nested else None
     for d in (target_dir, draft_dir):
@@ -202,16 +203,21 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                                          nested="shared" if nested else None)
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
-                    if draft_dir and vocab_trim else None)
+                    if (draft_dir or nested) and vocab_trim else None)
             if kept is not None:
                 np.save(tmp / "draft_vocab.npy", kept)
+            if kept is not None and nested:  # counted with the target: now trim the draft's
+                target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
+                                             accuracy_level, ep_profile, symmetric, progress,
+                                             nested="shared", draft_head_rows=kept)
             draft_entry = (_export_model(draft_dir, "draft", tmp, draft_precision, block_size,
                                          accuracy_level, ep_profile, symmetric, progress,
                                          head_rows=kept)
                            if draft_dir else None)
             if nested:  # the same graph and weights, read without the residual
-                draft_entry = dataclasses.replace(target_entry, precision="int4",
-                                                  nested="draft")
+                draft_entry = dataclasses.replace(
+                    target_entry, precision="int4", nested="draft",
+                    vocab_size=target_entry.vocab_size if kept is None else len(kept))
             tok_files = [f for f in TOKENIZER_FILES if (target_dir / f).is_file()]
             for f in tok_files:
                 shutil.copy2(target_dir / f, tmp / f)

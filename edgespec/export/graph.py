@@ -97,6 +97,26 @@ class GraphBuilder:
         q = quantize_blockwise(weight, bits, self.block_size, self.symmetric or bits == 8)
         return self._nbits(x, q, name)
 
+    def trimmed_nested_head(self, x: str, weight: np.ndarray, rows: np.ndarray,
+                            name: str) -> str:
+        """BitNest + VocabTrim: the target reads the whole nested head (base + residual),
+        the draft only the 4-bit base of the kept `rows`; the branch outputs differ in
+        width, [.., V] or [.., K]."""
+        outer, self.nodes = self.nodes, []
+        nw = nest(weight, self.block_size)
+        full = self._nbits(x, nw.base, f"{name}.base")
+        residual = self._nbits(x, nw.residual, f"{name}.residual")
+        self.node("Add", [full, residual], [f"{name}.full"], f"{name}.nest")
+        then_nodes, self.nodes = self.nodes, []
+        self._nbits(x, nest(weight[rows], self.block_size).base, f"{name}.kept")
+        else_nodes, self.nodes = self.nodes, outer
+        out = [helper.make_tensor_value_info(n, self.onnx_dtype, None)
+               for n in (f"{name}.full", f"{name}.kept.out")]
+        return self.node("If", ["use_residual"], [f"{name}.out"], f"{name}.if",
+                         then_branch=helper.make_graph(then_nodes, f"{name}.then", [], out[:1]),
+                         else_branch=helper.make_graph(else_nodes, f"{name}.else", [],
+                                                       out[1:]))[0]
+
     def _residual_if(self, x: str, base: str, nw: NestedWeight, name: str) -> str:
         """One graph for both BitNest models: the residual matmul runs only when the
         `use_residual` input is true (the target); the draft stops at the base."""
@@ -203,6 +223,7 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                   final_norm: np.ndarray, lm_head: np.ndarray, precision: str = "fp32",
                   block_size: int = 32, accuracy_level: int = 0, dtype: type = np.float32,
                   attention: str = "gqa", symmetric: bool = True, nested: str | None = None,
+                  draft_head_rows: np.ndarray | None = None,
                   on_layer: Callable[[int], None] | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
@@ -211,6 +232,8 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     bodies: the head decides which token wins, and low-bit heads cost accuracy that
     no speculative trick recovers. Logits and the bias stay float32 at the graph's edge
     whatever the compute dtype, so the runtime's contract does not change.
+    `draft_head_rows` (BitNest with VocabTrim) gives the nested draft a head of those
+    rows only.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
@@ -227,8 +250,8 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     if nested == "shared":
         inputs.append(helper.make_tensor_value_info("use_residual", TensorProto.BOOL, []))
     # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                             [1, s_dim, lm_head.shape[0]])]
+    vocab = "vocab" if draft_head_rows is not None else lm_head.shape[0]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, s_dim, vocab])]
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", g.onnx_dtype,
@@ -341,7 +364,10 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                         [resid, delta, g.fconst("final_norm", final_norm)],
                         ["final.norm", "", "", ""], "final.norm", domain=MS, epsilon=eps)
     head_bits = 8 if precision in BITS else None
-    logits = g.linear(h, lm_head, "lm_head", bits=head_bits)
+    if draft_head_rows is not None:
+        logits = g.trimmed_nested_head(h, lm_head, draft_head_rows, "lm_head")
+    else:
+        logits = g.linear(h, lm_head, "lm_head", bits=head_bits)
     if spec.final_softcap:  # c * tanh(logits / c)
         cap = g.fconst("final_softcap", spec.final_softcap)
         scaled = g.node("Div", [logits, cap], ["logits.scaled"], "softcap.div")[0]

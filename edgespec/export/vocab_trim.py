@@ -103,6 +103,9 @@ def retrim_bundle(bundle: Path, k: int, source: str = "target",
     m = read_manifest(bundle)
     if m.draft is None:
         raise EdgespecError(f"{bundle} has no draft model to trim.")
+    if m.draft.nested:
+        raise EdgespecError(f"{bundle}'s draft is nested in the target's graph; re-export "
+                            "with --draft nested --vocab-trim K to trim its head.")
     current = (np.load(bundle / m.vocab_map) if m.vocab_map
                else np.arange(m.draft.vocab_size))
     if k >= len(current):

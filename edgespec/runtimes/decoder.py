@@ -237,7 +237,7 @@ class DecoderSession:
         layout = ConcatKVCache if entry.kv_layout == "mha-concat" else KVCache
         self.cache = layout(entry, self.max_len, self.device)
         self.binding = self.session.io_binding()
-        self.vocab = self.session.get_outputs()[0].shape[-1]
+        self.vocab = entry.vocab_size  # a nested draft's trimmed head is narrower
         self.logits = LogitsOutput(self.binding, self.vocab)  # first: get_outputs()[0]
         self.cache.bind(self.binding)
         if entry.nested:  # BitNest: this view computes with the base, or base + residual

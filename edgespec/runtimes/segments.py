@@ -161,7 +161,7 @@ class _Segment:
         self.binding = self.session.io_binding()
         self.logits = None
         if self.hidden_out == ["logits"]:
-            self.logits = LogitsOutput(self.binding, self.session.get_outputs()[0].shape[-1])
+            self.logits = LogitsOutput(self.binding, entry.vocab_size)
         else:  # first, so that get_outputs() starts with them
             for name in self.hidden_out:
                 self.binding.bind_output(name, self.device)
@@ -236,7 +236,7 @@ class SegmentedDecoder:
         self.segments = [_Segment(path, model, entry, p, self.max_len, threads)
                          for p in placements]
         self.cache = SegmentCache([s.cache for s in self.segments])
-        self.vocab = self.segments[-1].session.get_outputs()[0].shape[-1]
+        self.vocab = entry.vocab_size
         self.device = "+".join(dict.fromkeys(s.device for s in self.segments))
         self.run_s = 0.0
         self.transfer_s = 0.0  # of run_s: handing streamed weights to the device
