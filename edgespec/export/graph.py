@@ -57,9 +57,14 @@ class GraphBuilder:
         self.onnx_dtype = helper.np_dtype_to_tensor_dtype(self.dtype)
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
+        self._consts: set[str] = set()
+        self.gate: tuple[str, str] = ("", "")  # BitNest: see gate_residuals
 
     def const(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.asarray(array), name))
+        """A named constant; asking again for a name already made reuses it."""
+        if name not in self._consts:
+            self._consts.add(name)
+            self.inits.append(numpy_helper.from_array(np.asarray(array), name))
         return name
 
     def fconst(self, name: str, array: np.ndarray | float) -> str:
@@ -84,7 +89,7 @@ class GraphBuilder:
             if self.nested == "target":
                 r = self._nbits(x, nw.residual, f"{name}.residual")
                 return self.node("Add", [y, r], [f"{name}.out"], f"{name}.nest")[0]
-            return self._residual_if(x, y, nw, name)
+            return self._gated_residual(x, y, nw, name)
         bits = bits or BITS.get(self.precision)
         if bits is None:
             store = np.float16 if self.precision == "fp16" else self.dtype
@@ -117,21 +122,33 @@ class GraphBuilder:
                          else_branch=helper.make_graph(else_nodes, f"{name}.else", [],
                                                        out[1:]))[0]
 
-    def _residual_if(self, x: str, base: str, nw: NestedWeight, name: str) -> str:
-        """One graph for both BitNest models: the residual matmul runs only when the
-        `use_residual` input is true (the target); the draft stops at the base."""
-        outer, self.nodes = self.nodes, []
-        residual = self._nbits(x, nw.residual, f"{name}.residual")
-        self.node("Add", [base, residual], [f"{name}.full"], f"{name}.nest")
-        then_nodes, self.nodes = self.nodes, outer
-        then_branch = helper.make_graph(
-            then_nodes, f"{name}.then", [],
-            [helper.make_tensor_value_info(f"{name}.full", self.onnx_dtype, None)])
-        else_branch = helper.make_graph(
-            [helper.make_node("Identity", [base], [f"{name}.base_only"])], f"{name}.else", [],
-            [helper.make_tensor_value_info(f"{name}.base_only", self.onnx_dtype, None)])
-        return self.node("If", ["use_residual"], [f"{name}.out"], f"{name}.if",
-                         then_branch=then_branch, else_branch=else_branch)[0]
+    def _gated_residual(self, x: str, base: str, nw: NestedWeight, name: str) -> str:
+        """One graph for both BitNest models, without control flow: the residual matmul
+        sees the S rows of `x` when `use_residual` is true (the target) and none for the
+        draft, and its output is zero-padded back to S rows. MatMulNBits on zero rows
+        costs nothing, and every constant stays in the main graph, where ONNX Runtime
+        prepacks it and frees the raw codes (an `If` branch kept them twice)."""
+        rows, pads = self.gate
+        xs = self.node("Slice", [x, self.const("i64.zero1", np.array([0], np.int64)), rows,
+                                 self.const("i64.one1", np.array([1], np.int64))],
+                       [f"{name}.rows"], f"{name}.rows")[0]
+        residual = self._nbits(xs, nw.residual, f"{name}.residual")
+        residual = self.node("Pad", [residual, pads], [f"{name}.residual.pad"],
+                             f"{name}.residual.pad")[0]
+        return self.node("Add", [base, residual], [f"{name}.out"], f"{name}.nest")[0]
+
+    def gate_residuals(self) -> None:
+        """The rows the residual matmuls see, S * use_residual, and the Pad widths that
+        restore S rows: computed once per graph."""
+        s = self.node("Shape", ["input_ids"], ["gate.shape"], "gate.shape", start=1, end=2)[0]
+        use = self.node("Cast", ["use_residual"], ["gate.use"], "gate.use",
+                        to=TensorProto.INT64)[0]
+        rows = self.node("Mul", [s, use], ["gate.rows"], "gate.rows")[0]
+        missing = self.node("Sub", [s, rows], ["gate.missing"], "gate.missing")[0]
+        pads = self.node("Concat", [self.const("gate.pads.head", np.zeros(4, np.int64)), missing,
+                                    self.const("gate.pads.tail", np.zeros(1, np.int64))],
+                         ["gate.pads"], "gate.pads", axis=0)[0]
+        self.gate = (rows, pads)
 
     def _nbits(self, x: str, q: QuantizedWeight, name: str) -> str:
         inputs = [x, self.const(f"{name}.qweight", q.packed),
@@ -249,6 +266,7 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                                             [1, 1, s_dim, t_dim])]
     if nested == "shared":
         inputs.append(helper.make_tensor_value_info("use_residual", TensorProto.BOOL, []))
+        g.gate_residuals()
     # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
     vocab = "vocab" if draft_head_rows is not None else lm_head.shape[0]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, s_dim, vocab])]
