@@ -37,8 +37,8 @@ def test_w8_is_much_closer_than_the_base_and_clipping_helps():
 
 def nested_reference(path, part: str):
     """The PyTorch model computing with exactly the nested W8 weights, or with their
-    4-bit base alone (head included)."""
-    def weight(w: np.ndarray) -> torch.Tensor:
+    4-bit base alone (the LM head W8 in both: the draft reads its whole nest too)."""
+    def weight(w: np.ndarray, part: str = part) -> torch.Tensor:
         nw = nest(w)
         return torch.from_numpy(nw.w8() if part == "w8" else dequantize(nw.base))
 
@@ -47,7 +47,7 @@ def nested_reference(path, part: str):
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module is not model.lm_head:
                 module.weight.copy_(weight(module.weight.numpy()))
-        model.lm_head.weight = torch.nn.Parameter(weight(model.lm_head.weight.numpy()))
+        model.lm_head.weight = torch.nn.Parameter(weight(model.lm_head.weight.numpy(), "w8"))
     return model
 
 

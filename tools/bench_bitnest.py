@@ -7,7 +7,10 @@ its resident memory (RSS) after loading and warming up, then greedy AR and specu
 tokens/s (side by side in that process) and the acceptance.
 
     python tools/bench_bitnest.py tools/demo_pair/target
-    python tools/bench_bitnest.py /tmp/qwen05b --new 48 --prompts 3
+    python tools/bench_bitnest.py /tmp/qwen05b --new 48 --prompts 3 --block-size 128
+
+RSS counts file-backed pages too (the bundle's data, which ONNX Runtime may map); the
+anonymous part (Linux RssAnon) is the memory that cannot simply be dropped.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ prompts = ["def quicksort(items):", "import os\nimport sys\n", "class Stack:\n",
            "def parse(line):\n", "for i in range(10):\n"][:int(sys.argv[3])]
 engine.generate(prompts[0], max_new_tokens=4, mode="ar")
 rss = psutil.Process().memory_info().rss
-out = {"rss_MiB": round(rss / 2**20, 1)}
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
+anon = int(status.get("RssAnon", "0 kB").split()[0]) * 1024  # Linux: not file-backed
+out = {"rss_MiB": round(rss / 2**20, 1), "anon_MiB": round(anon / 2**20, 1)}
 modes = {"ar": dict(mode="ar")}
 if engine.draft is not None:
     modes["spec"] = dict(mode="spec", draft_tokens=4)
@@ -41,6 +46,8 @@ for name, kw in modes.items():
     out[f"{name}_tokens_per_s"] = round(sum(s.new_tokens - 1 for s in stats) / decode, 1)
     if name == "spec":
         out["acceptance"] = round(sum(s.accepted for s in stats) / sum(s.drafted for s in stats), 3)
+        out["tokens_per_target_pass"] = round(sum(s.new_tokens - 1 for s in stats)
+                                              / sum(s.target_passes - 1 for s in stats), 2)
 print(json.dumps(out))
 """
 
@@ -50,6 +57,7 @@ def main() -> None:
     ap.add_argument("checkpoint", type=Path)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=32)
     args = ap.parse_args()
     quiet = Console(file=io.StringIO())
     work = Path(tempfile.mkdtemp())
@@ -63,7 +71,8 @@ def main() -> None:
     report = {}
     for name, kwargs in bundles.items():
         out = work / str(len(report))
-        export(args.checkpoint, out, precision="int8", console=quiet, **kwargs)
+        export(args.checkpoint, out, precision="int8", block_size=args.block_size,
+               console=quiet, **kwargs)
         size = sum(p.stat().st_size for p in out.iterdir())
         probe = subprocess.run([sys.executable, "-c", PROBE, str(out), str(args.new),
                                 str(args.prompts)], capture_output=True, text=True, check=True)

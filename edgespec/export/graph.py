@@ -47,7 +47,7 @@ class GraphBuilder:
     def __init__(self, precision: str, block_size: int, accuracy_level: int,
                  dtype: type = np.float32, zero_points: bool = False,
                  symmetric: bool = True, nested: str | None = None):
-        self.nested = nested  # BitNest: "target" (base + residual) or "draft" (base only)
+        self.nested = nested  # BitNest: "shared" (one graph, residual gated), "target", "draft"
         self.zero_points = zero_points  # DirectML's MatMulNBits wants all four inputs
         self.symmetric = symmetric
         self.precision = precision
@@ -78,18 +78,14 @@ class GraphBuilder:
                                            domain=domain, **attrs))
         return outputs
 
-    def linear(self, x: str, weight: np.ndarray, name: str, bits: int | None = None) -> str:
-        """y = x @ weight.T, weight in the [out, in] layout."""
-        n, k = weight.shape
+    def linear(self, x: str, weight: np.ndarray, name: str, bits: int | None = None,
+               whole_nest: bool = False) -> str:
+        """y = x @ weight.T, weight in the [out, in] layout. In a BitNest graph every
+        weight is nested; `whole_nest` has the draft read both nibbles too (the LM head:
+        as in every int4 export, a 4-bit head costs more acceptance than it saves)."""
         if self.nested:
-            nw = nest(weight, self.block_size)
-            y = self._nbits(x, nw.base, f"{name}.base")
-            if self.nested == "draft":
-                return y
-            if self.nested == "target":
-                r = self._nbits(x, nw.residual, f"{name}.residual")
-                return self.node("Add", [y, r], [f"{name}.out"], f"{name}.nest")[0]
-            return self._gated_residual(x, y, nw, name)
+            view = "target" if whole_nest else self.nested
+            return self._nested(x, nest(weight, self.block_size), name, view)
         bits = bits or BITS.get(self.precision)
         if bits is None:
             store = np.float16 if self.precision == "fp16" else self.dtype
@@ -102,21 +98,28 @@ class GraphBuilder:
         q = quantize_blockwise(weight, bits, self.block_size, self.symmetric or bits == 8)
         return self._nbits(x, q, name)
 
+    def _nested(self, x: str, nw: NestedWeight, name: str, view: str) -> str:
+        """The base alone ("draft"), base + residual ("target"), or the residual gated by
+        `use_residual` ("shared": one graph for both)."""
+        base = self._nbits(x, nw.base, f"{name}.base")
+        if view == "draft":
+            return base
+        if view == "shared":
+            return self._gated_residual(x, base, nw, name)
+        residual = self._nbits(x, nw.residual, f"{name}.residual")
+        return self.node("Add", [base, residual], [f"{name}.out"], f"{name}.nest")[0]
+
     def trimmed_nested_head(self, x: str, weight: np.ndarray, rows: np.ndarray,
                             name: str) -> str:
-        """BitNest + VocabTrim: the target reads the whole nested head (base + residual),
-        the draft only the 4-bit base of the kept `rows`; the branch outputs differ in
-        width, [.., V] or [.., K]."""
+        """BitNest + VocabTrim: the target reads the whole nested head, the draft the
+        same codes of the kept `rows` only (both nibbles, as for an untrimmed head); the
+        branch outputs differ in width, [.., V] or [.., K]."""
         outer, self.nodes = self.nodes, []
-        nw = nest(weight, self.block_size)
-        full = self._nbits(x, nw.base, f"{name}.base")
-        residual = self._nbits(x, nw.residual, f"{name}.residual")
-        self.node("Add", [full, residual], [f"{name}.full"], f"{name}.nest")
+        full = self._nested(x, nest(weight, self.block_size), f"{name}.full", "target")
         then_nodes, self.nodes = self.nodes, []
-        self._nbits(x, nest(weight[rows], self.block_size).base, f"{name}.kept")
+        kept = self._nested(x, nest(weight[rows], self.block_size), f"{name}.kept", "target")
         else_nodes, self.nodes = self.nodes, outer
-        out = [helper.make_tensor_value_info(n, self.onnx_dtype, None)
-               for n in (f"{name}.full", f"{name}.kept.out")]
+        out = [helper.make_tensor_value_info(n, self.onnx_dtype, None) for n in (full, kept)]
         return self.node("If", ["use_residual"], [f"{name}.out"], f"{name}.if",
                          then_branch=helper.make_graph(then_nodes, f"{name}.then", [], out[:1]),
                          else_branch=helper.make_graph(else_nodes, f"{name}.else", [],
@@ -385,7 +388,7 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     if draft_head_rows is not None:
         logits = g.trimmed_nested_head(h, lm_head, draft_head_rows, "lm_head")
     else:
-        logits = g.linear(h, lm_head, "lm_head", bits=head_bits)
+        logits = g.linear(h, lm_head, "lm_head", bits=head_bits, whole_nest=True)
     if spec.final_softcap:  # c * tanh(logits / c)
         cap = g.fconst("final_softcap", spec.final_softcap)
         scaled = g.node("Div", [logits, cap], ["logits.scaled"], "softcap.div")[0]
