@@ -59,8 +59,11 @@ def test_target_source_keeps_what_the_target_says(trimmed_bundle, engine):
     assert coverage > 0.6 and coverage > 2 * np.mean([t in random_kept for t in out])
 
 
-@pytest.mark.parametrize("kwargs", [dict(mode="spec"), dict(mode="spec", tree_budget=8)])
+@pytest.mark.parametrize("kwargs", [dict(mode="spec"), dict(mode="spec", tree_budget=8),
+                                    dict(mode="spec", tree_budget=8, tree_lookup=4)])
 def test_greedy_trimmed_spec_equals_ar(trimmed_bundle, kwargs):
+    """Chains, trees, and trees with prompt-lookup branches (which may hold tokens the
+    trimmed head cannot propose)."""
     engine = edgespec.load(trimmed_bundle)
     for prompt in ("def quicksort(items):", "import os\n", "class Stack:\n"):
         ar = engine.generate(prompt, max_new_tokens=40, mode="ar")
