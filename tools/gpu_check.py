@@ -14,7 +14,7 @@ time in weight transfers, and the resident (no budget) AR speed for reference. G
 tree output must equal greedy AR output.
 
     pip install torch==2.13.0 ".[test]" onnxruntime-gpu && python tools/gpu_check.py
-    python tools/gpu_check.py --smoke   # part 2's plumbing on the CPU, tiny model
+    python tools/gpu_check.py --smoke   # the plumbing on the CPU (tiny model in part 2)
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def emit(report: dict, key: str, value: object) -> None:
     print(json.dumps({key: value}), flush=True)
 
 
-def demo_on_cuda(tmp: Path, report: dict) -> None:
+def demo_on_cuda(tmp: Path, report: dict, device: str = "cuda") -> None:
     export(PAIR / "target", tmp / "cpu", draft=PAIR / "draft", precision="fp32",
            console=QUIET)
     cpu = edgespec.load(tmp / "cpu", device="cpu")
@@ -58,7 +58,7 @@ def demo_on_cuda(tmp: Path, report: dict) -> None:
         out = tmp / f"cuda-{precision}"
         export(PAIR / "target", out, draft=PAIR / "draft", precision=precision,
                ep_profile="cuda", console=QUIET)
-        engine = edgespec.load(out, device="cuda")
+        engine = edgespec.load(out, device=device)
         row = {"providers": engine.target.session.get_providers(), "device": engine.devices}
         got = engine.target.forward(ids)
         row["max_abs_logit_diff_vs_cpu_fp32"] = float(np.abs(got - ref).max())
@@ -166,12 +166,14 @@ def offload(tmp: Path, report: dict, smoke: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true", help="part 2 only, tiny model, CPU")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the plumbing on the CPU: part 1 on the CPU provider, part 2 tiny")
     ap.add_argument("--skip-demo", action="store_true")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     report: dict = {}
-    parts = [] if a.smoke or a.skip_demo else [lambda: demo_on_cuda(tmp, report)]
+    device = "cpu" if a.smoke else "cuda"
+    parts = [] if a.skip_demo else [lambda: demo_on_cuda(tmp, report, device)]
     parts.append(lambda: offload(tmp, report, a.smoke))
     for part in parts:
         try:

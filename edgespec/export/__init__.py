@@ -151,7 +151,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     `symmetric=False` gives int4/int2 blocks a zero point of their own (int8 stays
     symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points).
     `draft="nested"` makes the draft BitNest-style: the 4-bit base of the target's own
-    nested 4+4 codes, the target then computing with exactly base + residual (W8).
+    nested 4+4 codes (the LM head read whole), the target computing with exactly base +
+    residual (W8).
     `vocab_trim=K` keeps only K rows of the draft's LM head, the tokens most frequent in
     the target's own generations (`trim_source="target"`, prompts from `trim_prompts`
     or a built-in set) or in a corpus (`trim_source="corpus:PATH"`).
