@@ -113,9 +113,10 @@ def offload(tmp: Path, report: dict, smoke: bool) -> None:
     draft = ModelSizes.of(bundle / m.draft.graph, m.draft)
     context = 1024
     layers = len(sizes.layers)
-    # room for the LM head, the draft, the KV, two streaming buffers and a third of the layers
+    # room for the LM head, the draft, the KV, two streaming buffers and a third of the
+    # layers (the embedding stays in host memory when offloading)
     budget = (sizes.head + sizes.shared + draft.total + draft.kv_per_token * context
-              + sizes.kv_per_token * context + sizes.embed + sum(sizes.layers) // 3
+              + sizes.kv_per_token * context + sum(sizes.layers) // 3
               + 2 * min(512 << 20, sum(sizes.layers) // 8) + max(sizes.layers))
     device = "cpu" if smoke else "cuda"
     if smoke:  # the planner's placements, run on the CPU provider

@@ -153,9 +153,9 @@ class Plan:
     def summary(self) -> str:
         if self.offload == "none":
             return f"everything on the GPU ({fmt_bytes(self.gpu_bytes)})"
-        n = self.resident_layers
-        return (f"{n} target layer{'s' * (n != 1)} resident, the rest {self.offload}; "
-                f"tree budget {self.tree_budget}")
+        n, layers = self.resident_layers, self.placements[-1].start - 1  # head: unit L+1
+        rest = f"the rest {self.offload}" if n < layers else "the embedding in host memory"
+        return f"{n} target layer{'s' * (n != 1)} resident, {rest}; tree budget {self.tree_budget}"
 
 
 def expected_tokens(budget: int, acceptance: float) -> float:
