@@ -29,7 +29,7 @@ FORMAT_VERSION = 1
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
 EP_PROFILES = ("cpu", "cuda", "dml")
 KV_LAYOUTS = ("gqa-shared-buffer", "mha-concat")
-KV_DTYPES = ("float32", "float16")
+KV_DTYPES = ("float32", "float16", "int8")  # int8: codes with per-channel scales in the graph
 
 
 @dataclass
@@ -51,8 +51,14 @@ class ModelEntry:
     kv_layout: str = "gqa-shared-buffer"
     kv_dtype: str = "float32"
     nested: str = ""  # BitNest: "target" or "draft", both views of one shared graph
+    compute_dtype: str = ""  # activations; "" for bundles from before int8 KV: = kv_dtype
     data_files: list[str] = field(default_factory=list)
     source: str = ""
+
+    @property
+    def activation_dtype(self) -> str:
+        """The dtype hidden states flow in (what cut segments pass between them)."""
+        return self.compute_dtype or self.kv_dtype
 
 
 @dataclass
@@ -97,7 +103,7 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
     fields = ModelEntry.__dataclass_fields__
     raw = {k: v for k, v in raw.items() if k in fields}  # newer optional fields: ignored
     kinds = {"graph": str, "architecture": str, "precision": str, "kv_layout": str,
-             "kv_dtype": str, "nested": str,
+             "kv_dtype": str, "nested": str, "compute_dtype": str,
              "source": str, "data_files": list, "block_size": (int, type(None))}
     for name, f in fields.items():
         if name not in raw:
@@ -113,6 +119,9 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
     if entry.kv_dtype not in KV_DTYPES:
         raise _fail(mpath, f"'{where}.kv_dtype' is '{entry.kv_dtype}', not one of "
                            f"{', '.join(KV_DTYPES)}; re-export the bundle.")
+    if entry.compute_dtype not in ("", "float32", "float16"):
+        raise _fail(mpath, f"'{where}.compute_dtype' is '{entry.compute_dtype}', not float32 "
+                           "or float16; re-export the bundle.")
     if entry.kv_layout not in KV_LAYOUTS:
         raise _fail(mpath, f"'{where}.kv_layout' is '{entry.kv_layout}', which this edgespec "
                            "cannot run; upgrade edgespec or re-export the bundle.")

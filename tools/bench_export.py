@@ -8,6 +8,7 @@ cache keeps it close to the short one.
 
     python tools/bench_export.py tools/demo_pair/target --contexts 128 480
     python tools/bench_export.py --qwen05b /tmp/qwen05b --contexts 128 2048
+    python tools/bench_export.py --qwen05b /tmp/qwen05b --precisions int4 --kv-cache int8
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--qwen05b", type=Path, help="build (or reuse) the 0.5B shape here")
     ap.add_argument("--precisions", nargs="+", default=["fp32", "fp16", "int8", "int4"])
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 2048])
+    ap.add_argument("--kv-cache", choices=["float", "int8"], default="float")
     args = ap.parse_args()
     here = Path(__file__).parent
     ckpt = (make_qwen05b(args.qwen05b, here / "demo_pair" / "target") if args.qwen05b
@@ -72,11 +74,13 @@ def main() -> None:
     for precision in args.precisions:
         out = Path(tempfile.mkdtemp()) / "bundle"
         t0 = time.perf_counter()
-        export(ckpt, out, precision=precision, console=Console(file=io.StringIO()))
+        export(ckpt, out, precision=precision, kv_cache=args.kv_cache,
+               console=Console(file=io.StringIO()))
         export_s = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in out.iterdir())
         speeds = {f"tok/s@{c}": round(decode_speed(out, c), 1) for c in args.contexts}
-        rows.append({"precision": precision, "export_s": round(export_s, 1),
+        rows.append({"precision": precision, "kv_cache": args.kv_cache,
+                     "export_s": round(export_s, 1),
                      "bundle_MiB": round(size / 2**20, 1), **speeds})
         print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(out.parent)

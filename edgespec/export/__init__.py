@@ -24,6 +24,7 @@ from edgespec.export.architectures import adapter_for
 from edgespec.export.checkpoint import load_checkpoint
 from edgespec.export.graph import build_decoder
 from edgespec.export.hub import resolve_checkpoint
+from edgespec.export.kv_quant import calibration_sequences, kv_scales
 from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
 from edgespec.quant.vocab_trim import kept_tokens
 from edgespec.tokenizer import Tokenizer
@@ -70,7 +71,8 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
                   accuracy_level: int, ep_profile: str, symmetric: bool,
                   progress: Progress, head_rows: np.ndarray | None = None,
                   nested: str | None = None,
-                  draft_head_rows: np.ndarray | None = None) -> ModelEntry:
+                  draft_head_rows: np.ndarray | None = None,
+                  kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None) -> ModelEntry:
     task = progress.add_task(f"{role}: loading {ckpt_dir.name}", total=None)
     adapter = adapter_for(load_checkpoint(ckpt_dir))
     spec = adapter.spec
@@ -91,7 +93,7 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
                           head, precision, block_size, accuracy_level,
                           dtype=PROFILE_DTYPE[ep_profile], attention=attention,
                           symmetric=symmetric, nested=nested,
-                          draft_head_rows=draft_head_rows,
+                          draft_head_rows=draft_head_rows, kv_scales=kv_scales,
                           on_layer=lambda i: progress.advance(task))
     progress.update(task, description=f"{role}: writing {role}.onnx")
     onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
@@ -102,7 +104,8 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
         graph=f"{role}.onnx", data_files=[f"{role}.onnx.data"],
         architecture=spec.architecture, precision=precision,
         block_size=None if precision in ("fp32", "fp16") else block_size,
-        kv_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
+        kv_dtype="int8" if kv_scales is not None else np.dtype(PROFILE_DTYPE[ep_profile]).name,
+        compute_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
         vocab_size=int(head.shape[0]), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         max_positions=spec.max_positions, params=params, source=str(ckpt_dir),
@@ -140,7 +143,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
            precision: str = "int8", draft_precision: str | None = None, block_size: int = 32,
            ep_profile: str = "cpu", accuracy_level: int = 4, symmetric: bool = True,
            vocab_trim: int | None = None, trim_source: str = "target",
-           trim_prompts: list[str] | None = None, overwrite: bool = False,
+           trim_prompts: list[str] | None = None, kv_cache: str = "float",
+           overwrite: bool = False,
            trust_remote_code: bool = False, console: Console | None = None) -> Manifest:
     """Export a target (and optionally a draft) checkpoint into a bundle at `out`.
 
@@ -156,6 +160,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     `vocab_trim=K` keeps only K rows of the draft's LM head, the tokens most frequent in
     the target's own generations (`trim_source="target"`, prompts from `trim_prompts`
     or a built-in set) or in a corpus (`trim_source="corpus:PATH"`).
+    `kv_cache="int8"` stores both models' KV caches as int8 codes with per-channel scales
+    calibrated on the built-in prompts and the target's own continuations.
     """
     console = console or Console(stderr=True)
     draft_precision = draft_precision or precision
@@ -177,6 +183,11 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     nested = draft == "nested"
     if nested and ep_profile == "dml":
         raise EdgespecError("--draft nested works with the cpu and cuda profiles.")
+    if kv_cache not in ("float", "int8"):
+        raise EdgespecError(f"KV cache '{kv_cache}' is neither 'float' nor 'int8'.")
+    if kv_cache == "int8" and ep_profile == "dml":
+        raise EdgespecError("an int8 KV cache needs GroupQueryAttention: use the cpu or cuda "
+                            "profile.")
     target_dir = resolve_checkpoint(target, trust_remote_code)
     draft_dir = resolve_checkpoint(draft, trust_remote_code) if draft and not nested else None
     for d in (target_dir, draft_dir):
@@ -207,14 +218,30 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                     if (draft_dir or nested) and vocab_trim else None)
             if kept is not None:
                 np.save(tmp / "draft_vocab.npy", kept)
-            if kept is not None and nested:  # counted with the target: now trim the draft's
+            sequences = target_scales = None
+            if kv_cache == "int8":  # calibrated on the float graph, then built again
+                task = progress.add_task("int8 KV cache: calibrating", total=None)
+                sequences = calibration_sequences(tmp / target_entry.graph, target_entry,
+                                                  Tokenizer.from_dir(target_dir),
+                                                  default_prompts())
+                target_scales = kv_scales(tmp / target_entry.graph, target_entry, sequences)
+                progress.update(task, total=1, completed=1)
+            if target_scales is not None or (kept is not None and nested):
                 target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
                                              accuracy_level, ep_profile, symmetric, progress,
-                                             nested="shared", draft_head_rows=kept)
-            draft_entry = (_export_model(draft_dir, "draft", tmp, draft_precision, block_size,
-                                         accuracy_level, ep_profile, symmetric, progress,
-                                         head_rows=kept)
-                           if draft_dir else None)
+                                             nested="shared" if nested else None,
+                                             draft_head_rows=kept if nested else None,
+                                             kv_scales=target_scales)
+            draft_entry = None
+            if draft_dir:
+                draft_entry = _export_model(draft_dir, "draft", tmp, draft_precision,
+                                            block_size, accuracy_level, ep_profile, symmetric,
+                                            progress, head_rows=kept)
+            if draft_entry and sequences is not None:  # the draft meets the target's text
+                draft_entry = _export_model(
+                    draft_dir, "draft", tmp, draft_precision, block_size, accuracy_level,
+                    ep_profile, symmetric, progress, head_rows=kept,
+                    kv_scales=kv_scales(tmp / draft_entry.graph, draft_entry, sequences))
             if nested:  # the same graph and weights, read without the residual
                 draft_entry = dataclasses.replace(
                     target_entry, precision="int4", nested="draft",
@@ -234,6 +261,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                             "target": str(target), "draft": str(draft) if draft else None,
                             "nested": "4+4" if nested else None,
                             "accuracy_level": accuracy_level, "symmetric": symmetric,
+                            "kv_cache": kv_cache,
                             "vocab_trim": vocab_trim and {"k": vocab_trim,
                                                           "source": trim_source}}))
             sizes = {name: (tmp / name).stat().st_size for name in manifest.files}

@@ -195,18 +195,27 @@ def window_bias(g: GraphBuilder, bias: str, shape: str, window: int) -> str:
 
 
 def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seqlens_k: str,
-        total: str, rope: list[str], bias: str) -> str:
+        total: str, rope: list[str], bias: str,
+        kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> str:
     """GroupQueryAttention: RoPE inside, KV written in place into the shared buffer.
-    Sliding windows are in `bias` (see window_bias), not GQA's slot-based window."""
+    Sliding windows are in `bias` (see window_bias), not GQA's slot-based window.
+    `kv_scales` (per kv head and channel, [kv_heads, 1, head_dim]) make the cache int8
+    codes: GQA quantizes the rotated K and V it writes and dequantizes what it reads."""
     attrs = dict(num_heads=spec.num_heads, kv_num_heads=spec.num_kv_heads, do_rotary=1,
                  rotary_interleaved=0)
+    quantized = []
+    if kv_scales is not None:
+        attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL",
+                     kv_cache_bit_width=8)
+        quantized = ["", *(g.const(f"{p}.{kind}_scale", scale.astype(np.float32))
+                           for kind, scale in zip("kv", kv_scales, strict=True))]
     if spec.attn_scale:
         attrs["scale"] = spec.attn_scale
     if spec.attn_softcap:
         attrs["softcap"] = spec.attn_softcap
     return g.node("GroupQueryAttention",
                   [*qkv, f"past_key_{i}", f"past_value_{i}", seqlens_k, total, *rope,
-                   "position_ids", bias],
+                   "position_ids", bias, *quantized],
                   [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
                   domain=MS, **attrs)[0]
 
@@ -244,6 +253,7 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                   block_size: int = 32, accuracy_level: int = 0, dtype: type = np.float32,
                   attention: str = "gqa", symmetric: bool = True, nested: str | None = None,
                   draft_head_rows: np.ndarray | None = None,
+                  kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
                   on_layer: Callable[[int], None] | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
@@ -253,7 +263,7 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     no speculative trick recovers. Logits and the bias stay float32 at the graph's edge
     whatever the compute dtype, so the runtime's contract does not change.
     `draft_head_rows` (BitNest with VocabTrim) gives the nested draft a head of those
-    rows only.
+    rows only. `kv_scales` (one (K, V) pair per layer) store the KV cache as int8 codes.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
@@ -273,11 +283,12 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
     vocab = "vocab" if draft_head_rows is not None else lm_head.shape[0]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, s_dim, vocab])]
+    kv_type = TensorProto.INT8 if kv_scales is not None else g.onnx_dtype
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", g.onnx_dtype,
+            inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", kv_type,
                                                         past_shape))
-            outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", g.onnx_dtype,
+            outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", kv_type,
                                                          present_shape))
 
     table = embeddings.astype(g.dtype if precision == "fp32" else np.float16)
@@ -357,7 +368,8 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                 w = spec.sliding_window[i]
                 windows[w] = windows.get(w) or window_bias(g, bias, shape, w)
                 layer_bias = windows[w]
-            attn = gqa(g, spec, i, p, qkv_inputs, seqlens_k, total, rope, layer_bias)
+            attn = gqa(g, spec, i, p, qkv_inputs, seqlens_k, total, rope, layer_bias,
+                       kv_scales[i] if kv_scales is not None else None)
         else:
             attn = mha(g, spec, i, p, qkv_inputs, rope, mha_bias)
         o = g.linear(attn, lw.o, f"{p}.o")

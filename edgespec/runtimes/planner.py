@@ -284,7 +284,7 @@ def _time_layer(path: Path, model: onnx.ModelProto, entry: ModelEntry, device: s
     seg = _Segment(path, model, entry, Placement(unit, unit + 1, device), tokens + 1,
                    threads)
     rng = np.random.default_rng(0)
-    dtype = np.dtype(entry.kv_dtype)
+    dtype = np.dtype(entry.activation_dtype)
     feeds = dict(zip(STEP_INPUTS, step_inputs(np.zeros(tokens), None, None, 0, tokens),
                      strict=True))
     best = float("inf")

@@ -121,7 +121,7 @@ def cut(model: onnx.ModelProto, entry: ModelEntry, placement: Placement
     streamed = [t for name, t in inits.items() if name in used and placement.streamed
                 and name.startswith("layers.") and _nbytes(t) >= STREAM_MIN_BYTES]
     streamed_names = {t.name for t in streamed}
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(entry.kv_dtype))
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(entry.activation_dtype))
 
     def hidden(name: str) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, elem, [1, "sequence", entry.hidden_size])
