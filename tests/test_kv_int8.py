@@ -104,3 +104,9 @@ def test_nested_trimmed_draft_with_int8_kv(tmp_path, demo_target):
         ar = engine.generate(prompt, max_new_tokens=32, mode="ar")
         spec = engine.generate(prompt, max_new_tokens=32, mode="spec")
         assert spec.token_ids == ar.token_ids and spec.stats.accepted > 0
+
+
+def test_a_rebuilt_graph_does_not_keep_its_first_weights(kv8_bundle, demo_bundle):
+    """Calibration builds the graph twice; the bundle holds one copy of the weights."""
+    size = (kv8_bundle / "target.onnx.data").stat().st_size
+    assert size < 1.05 * (demo_bundle / "target.onnx.data").stat().st_size

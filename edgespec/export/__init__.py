@@ -96,6 +96,9 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
                           draft_head_rows=draft_head_rows, kv_scales=kv_scales,
                           on_layer=lambda i: progress.advance(task))
     progress.update(task, description=f"{role}: writing {role}.onnx")
+    # onnx appends external data to an existing file: a graph built again (calibrated KV,
+    # a trimmed nested head) must not carry its first version's weights along
+    (out / f"{role}.onnx.data").unlink(missing_ok=True)
     onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
                     all_tensors_to_one_file=True, location=f"{role}.onnx.data",
                     size_threshold=1024)
