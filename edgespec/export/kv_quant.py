@@ -23,7 +23,7 @@ CALIBRATION_LEN = 512  # positions per calibration sequence
 
 
 def calibration_sequences(graph: Path, entry: ModelEntry, tokenizer: Tokenizer,
-                          prompts: list[str], new_tokens: int = 96) -> list[list[int]]:
+                          prompts: list[str], new_tokens: int = 48) -> list[list[int]]:
     """Each prompt followed by the model's greedy continuation: the text it will meet."""
     session = DecoderSession(graph, entry, ["CPUExecutionProvider"],
                              max_len=min(entry.max_positions, CALIBRATION_LEN))
