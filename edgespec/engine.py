@@ -21,6 +21,7 @@ import numpy as np
 from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.runtimes import DecoderSession, resolve_providers
+from edgespec.runtimes.decoder import SharedKVCache
 from edgespec.runtimes.providers import PROVIDER
 from edgespec.spec import (
     GenerationStats,
@@ -189,9 +190,12 @@ class Engine:
         if self.plan is not None and self.plan.draft_device == "cpu" and draft_device is None:
             draft_device = "cpu"  # the planner found no room for it on the GPU
         draft_providers = resolve_providers(draft_device) if draft_device else providers
+        # BitNest: one graph, and one KV store too (the draft reads the target's entries)
+        kv = SharedKVCache(self.target.cache) if shared and m.draft.kv_layout == (
+            "gqa-shared-buffer") else None
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, draft_providers,
                                      draft_device or device, max_len=self.target.max_len,
-                                     threads=threads, shared=shared)
+                                     threads=threads, shared=shared, cache=kv)
                       if m.draft else None)
         self._sessions = [s for s in (self.target, self.draft) if s is not None]
         # what actually runs, as the sessions report it: "cpu", "cuda", "cuda+cpu, draft cpu"

@@ -66,10 +66,21 @@ def test_one_graph_holds_both_models(nested_bundle, demo_target, role, part):
                   ).max() < 2e-3
 
 
-def test_engine_shares_one_session(nested_bundle):
+def test_engine_shares_one_session_and_one_kv_store(nested_bundle):
+    """The draft holds no KV buffers: it reads the target's entries for the committed
+    prefix and writes only past the target's length."""
     engine = edgespec.load(nested_bundle)
     assert engine.draft.session is engine.target.session
-    assert engine.draft.cache is not engine.target.cache
+    assert all(dk is tk for dk, tk in zip(engine.draft.cache.buffers,
+                                          engine.target.cache.buffers, strict=True))
+    engine.generate("def quicksort(items):", max_new_tokens=24, mode="spec")
+    held = engine.target.cache.length
+    engine.target.forward([5])  # the target's own next step...
+    before = [k[:, :, :held + 1].copy() for k, _ in engine.target.cache.arrays]
+    engine.draft.forward([6, 7])  # ...then a draft step writes only beyond it
+    after = [k[:, :, :held + 1] for k, _ in engine.target.cache.arrays]
+    assert all(np.array_equal(a, b) for a, b in zip(after, before, strict=True))
+    assert engine.draft.cache.length == held + 3
 
 
 @pytest.mark.parametrize("kwargs", [dict(), dict(tree_budget=8, tree_top_k=2),

@@ -87,6 +87,36 @@ class KVCache:
         self.length = length
 
 
+class SharedKVCache(KVCache):
+    """A BitNest draft's view of the target's KV cache: no buffers of its own.
+
+    The draft attends over the K/V the target wrote for the committed prefix (computed
+    with the full W8 weights) and writes its own speculative entries only past the
+    target's length, where the target's next pass overwrites them: the target's cache is
+    never touched below its length, so verification stays exact. Its length is its own,
+    but never less than the target's: what the target holds, the draft need not feed.
+    """
+
+    def __init__(self, owner: KVCache):
+        self.__dict__.update({k: v for k, v in vars(owner).items() if k != "length"})
+        self.owner = owner
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return max(self._length, self.owner.length)
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._length = value
+
+    def reset(self) -> None:
+        self._length = 0
+
+    def compact(self, start: int, slots: list[int]) -> None:
+        raise EdgespecError("a draft sharing the target's KV cache cannot compact it.")
+
+
 class KVMover:
     """Compacts KV buffers that live on a device, in place: one small graph gathers the
     accepted slots and scatters them into the buffer it was bound to as input and output,
@@ -220,14 +250,14 @@ class DecoderSession:
     """Drive one exported decoder graph step by step.
 
     Several DecoderSessions may share one InferenceSession (`shared`), each with its own
-    IOBinding and KV cache: a BitNest bundle's draft and target are one graph whose
-    `use_residual` input picks the 4-bit base or the full 8-bit weights, so the weights
-    are held once.
+    IOBinding: a BitNest bundle's draft and target are one graph whose `use_residual`
+    input picks the 4-bit base or the full 8-bit weights, so the weights are held once,
+    and the draft's `cache` can be a SharedKVCache over the target's.
     """
 
     def __init__(self, path: Path, entry: ModelEntry, providers: list[str],
                  device: str = "auto", max_len: int | None = None, threads: int = 0,
-                 shared: ort.InferenceSession | None = None):
+                 shared: ort.InferenceSession | None = None, cache: KVCache | None = None):
         self.session = shared or open_session(path, providers, threads)
         self.run_s = 0.0  # seconds spent inside ONNX Runtime, for overhead accounting
         self.transfer_s = 0.0  # of run_s, moving weights to the device: none, all resident
@@ -235,7 +265,7 @@ class DecoderSession:
         self.entry = entry
         self.max_len = min(max_len or entry.max_positions, entry.max_positions)
         layout = ConcatKVCache if entry.kv_layout == "mha-concat" else KVCache
-        self.cache = layout(entry, self.max_len, self.device)
+        self.cache = cache or layout(entry, self.max_len, self.device)
         self.binding = self.session.io_binding()
         self.vocab = entry.vocab_size  # a nested draft's trimmed head is narrower
         self.logits = LogitsOutput(self.binding, self.vocab)  # first: get_outputs()[0]
