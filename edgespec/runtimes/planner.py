@@ -26,7 +26,7 @@ from edgespec.bundle import ModelEntry
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.decoder import STEP_INPUTS, step_inputs
 from edgespec.runtimes.providers import PROVIDER, nvidia_smi
-from edgespec.runtimes.segments import Placement, _nbytes, _Segment
+from edgespec.runtimes.segments import Placement, Segment, tensor_bytes
 
 GiB = 1 << 30
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -92,7 +92,7 @@ class ModelSizes:
         layers = [0] * entry.num_layers
         embed = head = shared = 0
         for t in _initializers(graph):
-            n = _nbytes(t)
+            n = tensor_bytes(t)
             m = re.match(r"layers\.(\d+)\.", t.name)
             if m:
                 layers[int(m.group(1))] += n
@@ -114,6 +114,7 @@ class Costs:
 
     bandwidth: float  # bytes/s
     cpu_layer: tuple[float, float]  # seconds: fixed, per token
+    # assumed when no GPU is here to time one: ~50 us per layer launch, 0.2 us per token
     gpu_layer: tuple[float, float] = (5e-5, 2e-7)
     overlap: bool = True  # copies of the next streamed layer overlap this layer's compute
 
@@ -281,8 +282,8 @@ def _time_layer(path: Path, model: onnx.ModelProto, entry: ModelEntry, device: s
                 tokens: int, threads: int, repeats: int = 5) -> float:
     """Seconds one target layer takes on `device` for a pass of `tokens` tokens."""
     unit = min(2, entry.num_layers)  # a layer after the first: the usual two inputs
-    seg = _Segment(path, model, entry, Placement(unit, unit + 1, device), tokens + 1,
-                   threads)
+    seg = Segment(path, model, entry, Placement(unit, unit + 1, device), tokens + 1,
+                  threads)
     rng = np.random.default_rng(0)
     dtype = np.dtype(entry.activation_dtype)
     feeds = dict(zip(STEP_INPUTS, step_inputs(np.zeros(tokens), None, None, 0, tokens),

@@ -89,7 +89,7 @@ def _array(tensor: onnx.TensorProto, folder: Path) -> np.ndarray:
                      offset=int(info.get("offset", 0)), shape=tuple(tensor.dims))
 
 
-def _nbytes(tensor: onnx.TensorProto) -> int:
+def tensor_bytes(tensor: onnx.TensorProto) -> int:
     if tensor.data_location == onnx.TensorProto.EXTERNAL:
         return int({e.key: e.value for e in tensor.external_data}["length"])
     return len(tensor.raw_data) or numpy_helper.to_array(tensor).nbytes
@@ -119,7 +119,7 @@ def cut(model: onnx.ModelProto, entry: ModelEntry, placement: Placement
     nodes = [g.node[i] for i in sorted(keep)]
     used = {t for n in nodes for t in _consumed(n)}
     streamed = [t for name, t in inits.items() if name in used and placement.streamed
-                and name.startswith("layers.") and _nbytes(t) >= STREAM_MIN_BYTES]
+                and name.startswith("layers.") and tensor_bytes(t) >= STREAM_MIN_BYTES]
     streamed_names = {t.name for t in streamed}
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(entry.activation_dtype))
 
@@ -140,7 +140,7 @@ def cut(model: onnx.ModelProto, entry: ModelEntry, placement: Placement
     return segment, hidden_in, hidden_out, streamed
 
 
-class _Segment:
+class Segment:
     """One segment's session, binding and KV cache."""
 
     def __init__(self, path: Path, model: onnx.ModelProto, entry: ModelEntry,
@@ -151,11 +151,10 @@ class _Segment:
             providers.append(PROVIDER["cpu"])
         self.session = open_session(path, providers, threads, graph.SerializeToString())
         self.device = check_session(self.session, placement.device, providers)
-        self.placement = placement
         self.inputs = {i.name for i in self.session.get_inputs()}
         self.weights = {t.name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(
             _array(t, path.parent))) for t in streamed}
-        self.weight_bytes = sum(_nbytes(t) for t in streamed)
+        self.weight_bytes = sum(tensor_bytes(t) for t in streamed)
         self.cache = KVCache(entry, max_len, self.device,
                              layers_of(placement, entry.num_layers))
         self.binding = self.session.io_binding()
@@ -228,12 +227,13 @@ class SegmentedDecoder:
             raise EdgespecError(f"a segment plan must cover units 0..{units} in order without "
                                 f"gaps (got {spans}).")
         if entry.kv_layout != "gqa-shared-buffer" or entry.nested:
-            raise EdgespecError("offload needs a cpu- or cuda-profile bundle without a nested "
-                                "draft; re-export with --ep-profile cuda.")
+            raise EdgespecError("offload cannot split a BitNest (--draft nested) or dml-profile "
+                                "bundle; export the target with --ep-profile cuda and a "
+                                "separate draft.")
         model = onnx.load(str(path), load_external_data=False)
         self.entry = entry
         self.max_len = min(max_len or entry.max_positions, entry.max_positions)
-        self.segments = [_Segment(path, model, entry, p, self.max_len, threads)
+        self.segments = [Segment(path, model, entry, p, self.max_len, threads)
                          for p in placements]
         self.cache = SegmentCache([s.cache for s in self.segments])
         self.vocab = entry.vocab_size
