@@ -97,6 +97,15 @@ def test_prompt_longer_than_context():
 
 def test_unavailable_device():
     assert_user_error(run("generate", "x", "--device", "cuda"), "cuda execution provider")
+    assert_user_error(run("generate", "x", "--draft-device", "cuda"), "cuda execution provider")
+
+
+def test_draft_on_its_own_device_gives_the_same_output():
+    """--draft-device places the draft apart (here: both on the CPU, the only provider)."""
+    base = ["generate", "def quicksort(items):", "--max-new-tokens", "24", "--json"]
+    apart = json.loads(run(*base, "--draft-device", "cpu").stdout)
+    ar = json.loads(run(*base, "--mode", "ar").stdout)
+    assert apart["token_ids"] == ar["token_ids"] and apart["stats"]["device"] == "cpu"
 
 
 def test_bad_flag_value_is_a_usage_error():
