@@ -313,6 +313,10 @@ def _bandwidth(nbytes: int = 64 << 20) -> float:
                                                 "copy", [x], [y]),
                               opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     session = ort.InferenceSession(model.SerializeToString(), providers=[PROVIDER["cuda"]])
+    if session.get_providers()[0] != PROVIDER["cuda"]:
+        raise EdgespecError("ONNX Runtime could not start the cuda execution provider to "
+                            "measure the GPU's bandwidth; check the CUDA libraries, or use "
+                            "--device cpu.")
     host = np.ones(nbytes, np.uint8)
     best = float("inf")
     for _ in range(5):
