@@ -149,16 +149,18 @@ def expand_best_first(root_logits: np.ndarray,
 
 def _children(tree: DraftTree, parent: int, score: float, logits: np.ndarray,
               params: SamplingParams, top_k: int) -> list[int]:
-    logp = _log_softmax(logits if params.greedy else logits / params.temperature)
-    best = np.argpartition(-logp, top_k)[:top_k] if top_k < len(logp) else np.arange(len(logp))
-    best = best[np.argsort(-logp[best], kind="stable")]
-    return [tree.add(int(t), parent, score + float(logp[t])) for t in best]
-
-
-def _log_softmax(z: np.ndarray) -> np.ndarray:
-    z = np.asarray(z, dtype=np.float64)
-    z = z - z.max()
-    return z - np.log(np.exp(z).sum())
+    """Add the top_k children of `parent`, scored by cumulative warped log-probability.
+    This runs for every expanded node, so the k best are picked on the raw logits (the
+    same order as their log-probabilities) and only a log-sum-exp spans the vocabulary."""
+    z = np.asarray(logits, dtype=np.float32)
+    if not params.greedy:
+        z = z / np.float32(params.temperature)
+    k = min(top_k, len(z))
+    best = np.argpartition(z, -k)[-k:]
+    top = z[best].max()
+    norm = float(top) + float(np.log(np.exp(z - top).sum()))
+    best = best[np.argsort(-z[best], kind="stable")]
+    return [tree.add(int(t), parent, score + float(z[t]) - norm) for t in best]
 
 
 def verify_tree(target_logits: np.ndarray, tree: DraftTree, params: SamplingParams,
