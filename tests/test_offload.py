@@ -221,7 +221,7 @@ def test_plan_sizes_add_up_to_the_bundles_weights(demo_bundle):
     assert sizes.kv_per_token == 2 * 6 * 2 * 64 * 4  # K and V, 6 layers, 2 heads, fp32
 
 
-def test_plan_command(demo_bundle):
+def test_plan_command(demo_bundle, nested_bundle):
     r = run("plan", str(demo_bundle), "--gpu-memory", "16MiB", "--context", "1024", "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
@@ -232,6 +232,8 @@ def test_plan_command(demo_bundle):
     table = run("plan", str(demo_bundle), "--gpu-memory", "16MiB")
     assert table.returncode == 0 and "target LM head" in table.stdout
     assert_user_error(run("plan", str(demo_bundle)), "--gpu-memory")
+    assert_user_error(run("plan", str(nested_bundle), "--gpu-memory", "8MiB"),
+                      "cannot split a BitNest")
     assert_user_error(run("generate", "x", "--device", "cpu", "--gpu-memory", "1GiB"),
                       "does not use CUDA")
 

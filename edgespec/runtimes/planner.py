@@ -26,7 +26,7 @@ from edgespec.bundle import ModelEntry
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.decoder import STEP_INPUTS, step_inputs
 from edgespec.runtimes.providers import PROVIDER, nvidia_smi
-from edgespec.runtimes.segments import Placement, Segment, tensor_bytes
+from edgespec.runtimes.segments import Placement, Segment, check_splittable, tensor_bytes
 
 GiB = 1 << 30
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -333,6 +333,7 @@ def measure_costs(path: Path, entry: ModelEntry, gpu: bool, threads: int = 0,
                   bandwidth: float | None = None) -> tuple[Costs, list[str]]:
     """The cost model measured here: one layer timed on the CPU (and the GPU) at 1 and
     32 tokens, and the host->GPU bandwidth. Returns the costs and what was assumed."""
+    check_splittable(entry)
     model = onnx.load(str(path), load_external_data=False)
 
     def fit(device: str) -> tuple[float, float]:

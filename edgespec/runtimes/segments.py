@@ -62,6 +62,15 @@ def _boundary(graph: onnx.GraphProto, unit: int, num_layers: int) -> list[str]:
     return list(node.input[:width])
 
 
+def check_splittable(entry: ModelEntry) -> None:
+    """Offload cuts GroupQueryAttention graphs of one model; a BitNest graph (two models)
+    or a DirectML one (concatenated KV) cannot be cut."""
+    if entry.kv_layout != "gqa-shared-buffer" or entry.nested:
+        raise EdgespecError("offload cannot split a BitNest (--draft nested) or dml-profile "
+                            "bundle; export the target with --ep-profile cuda and a separate "
+                            "draft.")
+
+
 def layers_of(placement: Placement, num_layers: int) -> range:
     """The decoder layers among a placement's units."""
     return range(max(placement.start, 1) - 1, min(placement.stop, num_layers + 1) - 1)
@@ -226,10 +235,7 @@ class SegmentedDecoder:
                 or any(p.stop <= p.start for p in placements)):
             raise EdgespecError(f"a segment plan must cover units 0..{units} in order without "
                                 f"gaps (got {spans}).")
-        if entry.kv_layout != "gqa-shared-buffer" or entry.nested:
-            raise EdgespecError("offload cannot split a BitNest (--draft nested) or dml-profile "
-                                "bundle; export the target with --ep-profile cuda and a "
-                                "separate draft.")
+        check_splittable(entry)
         model = onnx.load(str(path), load_external_data=False)
         self.entry = entry
         self.max_len = min(max_len or entry.max_positions, entry.max_positions)
