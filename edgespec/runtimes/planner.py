@@ -59,7 +59,9 @@ def _span(a: int, b: int) -> str:
 
 
 def fmt_bytes(n: float) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.1f} MiB"
+    if n >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
 def _initializers(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
