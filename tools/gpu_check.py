@@ -1,9 +1,9 @@
 """One-shot CUDA check for a lent GPU machine (not run in CI: no GPU there).
 
-Part 1, the demo pair exported with the cuda profile, on the CUDA execution provider:
-which provider each session really got; logits vs the CPU fp32 export (fp16: ~1e-2);
-greedy chain and tree speculation == greedy AR (trees compact the KV cache on the device);
-AR vs speculative tokens/s side by side.
+Part 1, the demo pair exported with the cuda profile (fp16; int4; int4 with an int8 KV
+cache), on the CUDA execution provider: which provider each session really got; logits
+vs the CPU fp32 export (fp16: ~1e-2); greedy chain and tree speculation == greedy AR
+(trees compact the KV cache on the device); AR vs speculative tokens/s side by side.
 
 Part 2, offload: a random-init Qwen2.5-1.5B-shaped target (fp16, cuda profile) with a
 SubSpec-style draft (the same weights at int8: a random-init model's distributions are so
@@ -54,10 +54,10 @@ def demo_on_cuda(tmp: Path, report: dict, device: str = "cuda") -> None:
     cpu = edgespec.load(tmp / "cpu", device="cpu")
     ids = [int(t) for t in np.random.default_rng(0).integers(0, 4096, 64)]
     ref = cpu.target.forward(ids)
-    for precision in ("fp16", "int4"):
-        out = tmp / f"cuda-{precision}"
+    for precision, kv_cache in (("fp16", "float"), ("int4", "float"), ("int4", "int8")):
+        out = tmp / f"cuda-{precision}-{kv_cache}"
         export(PAIR / "target", out, draft=PAIR / "draft", precision=precision,
-               ep_profile="cuda", console=QUIET)
+               ep_profile="cuda", kv_cache=kv_cache, console=QUIET)
         engine = edgespec.load(out, device=device)
         row = {"providers": engine.target.session.get_providers(), "device": engine.devices}
         got = engine.target.forward(ids)
@@ -77,7 +77,7 @@ def demo_on_cuda(tmp: Path, report: dict, device: str = "cuda") -> None:
                 same[name] &= r.token_ids == ar.token_ids
         row["greedy_equals_ar"] = same
         row["tokens_per_s"] = {k: round(float(np.mean(v)), 1) for k, v in speeds.items()}
-        emit(report, f"demo_{precision}", row)
+        emit(report, f"demo_{precision}_kv_{kv_cache}", row)
 
 
 def make_qwen(path: Path, smoke: bool) -> Path:
