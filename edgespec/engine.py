@@ -187,6 +187,9 @@ class Engine:
                                          max_len=max_len, threads=threads)
         shared = (self.target.session if m.draft and m.draft.graph == m.target.graph
                   and not placements else None)
+        if shared and draft_device:
+            raise EdgespecError("a nested (BitNest) draft runs inside the target's session; "
+                                "--draft-device does not apply to it, leave it out.")
         if self.plan is not None and self.plan.draft_device == "cpu" and draft_device is None:
             draft_device = "cpu"  # the planner found no room for it on the GPU
         draft_providers = resolve_providers(draft_device) if draft_device else providers

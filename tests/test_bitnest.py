@@ -8,6 +8,7 @@ import torch
 
 import edgespec
 from edgespec.bundle import read_manifest
+from edgespec.errors import EdgespecError
 from edgespec.quant.bitnest import nest
 from edgespec.quant.blockwise import dequantize
 from edgespec.runtimes import DecoderSession
@@ -64,6 +65,11 @@ def test_one_graph_holds_both_models(nested_bundle, demo_target, role, part):
     sess = DecoderSession(nested_bundle / entry.graph, entry, ["CPUExecutionProvider"])
     assert np.abs(np.concatenate([sess.forward(ids[:20]), sess.forward(ids[20:])]) - ref
                   ).max() < 2e-3
+
+
+def test_a_nested_draft_cannot_be_placed_apart(nested_bundle):
+    with pytest.raises(EdgespecError, match="--draft-device does not apply"):
+        edgespec.load(nested_bundle, device="cpu", draft_device="cpu")
 
 
 def test_engine_shares_one_session_and_one_kv_store(nested_bundle):
