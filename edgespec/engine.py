@@ -194,8 +194,7 @@ class Engine:
             draft_device = "cpu"  # the planner found no room for it on the GPU
         draft_providers = resolve_providers(draft_device) if draft_device else providers
         # BitNest: one graph, and one KV store too (the draft reads the target's entries)
-        kv = SharedKVCache(self.target.cache) if shared and m.draft.kv_layout == (
-            "gqa-shared-buffer") else None
+        kv = SharedKVCache(self.target.cache) if shared else None
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, draft_providers,
                                      draft_device or device, max_len=self.target.max_len,
                                      threads=threads, shared=shared, cache=kv)

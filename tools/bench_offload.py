@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ def decisions(bundle: Path, context: int) -> list[dict]:
     for share in (0.25, 0.5, 0.75):
         budget = int(share * (sizes.total + sizes.kv_per_token * context))
         for bandwidth in BANDWIDTHS:
-            costs = type(measured)(bandwidth, measured.cpu_layer)
+            costs = replace(measured, bandwidth=bandwidth)
             try:
                 plan = make_plan(sizes, budget, context, costs)
             except Exception as e:  # a budget below the LM head: reported, not fatal

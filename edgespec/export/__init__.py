@@ -24,7 +24,7 @@ from edgespec.export.architectures import adapter_for
 from edgespec.export.checkpoint import load_checkpoint
 from edgespec.export.graph import build_decoder
 from edgespec.export.hub import resolve_checkpoint
-from edgespec.export.kv_quant import calibration_sequences, kv_scales
+from edgespec.export.kv_quant import calibrate_target, kv_scales
 from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
 from edgespec.quant.vocab_trim import kept_tokens
 from edgespec.tokenizer import Tokenizer
@@ -224,10 +224,9 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
             sequences = target_scales = None
             if kv_cache == "int8":  # calibrated on the float graph, then built again
                 task = progress.add_task("int8 KV cache: calibrating", total=None)
-                sequences = calibration_sequences(tmp / target_entry.graph, target_entry,
-                                                  Tokenizer.from_dir(target_dir),
-                                                  default_prompts())
-                target_scales = kv_scales(tmp / target_entry.graph, target_entry, sequences)
+                sequences, target_scales = calibrate_target(
+                    tmp / target_entry.graph, target_entry, Tokenizer.from_dir(target_dir),
+                    default_prompts())
                 progress.update(task, total=1, completed=1)
             if target_scales is not None or (kept is not None and nested):
                 target_entry = _export_model(target_dir, "target", tmp, precision, block_size,

@@ -22,11 +22,21 @@ from edgespec.tokenizer import Tokenizer
 CALIBRATION_LEN = 512  # positions per calibration sequence
 
 
-def calibration_sequences(graph: Path, entry: ModelEntry, tokenizer: Tokenizer,
-                          prompts: list[str], new_tokens: int = 48) -> list[list[int]]:
-    """Each prompt followed by the model's greedy continuation: the text it will meet."""
-    session = DecoderSession(graph, entry, ["CPUExecutionProvider"],
-                             max_len=min(entry.max_positions, CALIBRATION_LEN))
+Scales = list[tuple[np.ndarray, np.ndarray]]
+
+
+def _session(graph: Path, entry: ModelEntry) -> DecoderSession:
+    return DecoderSession(graph, entry, ["CPUExecutionProvider"],
+                          max_len=min(entry.max_positions, CALIBRATION_LEN))
+
+
+def calibrate_target(graph: Path, entry: ModelEntry, tokenizer: Tokenizer,
+                     prompts: list[str], new_tokens: int = 48
+                     ) -> tuple[list[list[int]], Scales]:
+    """The target's scales, and the sequences they came from (each prompt followed by
+    the target's greedy continuation: the text it will meet), for the draft's scales.
+    One session serves both steps."""
+    session = _session(graph, entry)
     sequences = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt)[:session.max_len - new_tokens - 1]
@@ -40,15 +50,19 @@ def calibration_sequences(graph: Path, entry: ModelEntry, tokenizer: Tokenizer,
                 break
         steps.close()
         sequences.append(ids + out)
-    return sequences
+    return sequences, _scales(session, sequences)
 
 
-def kv_scales(graph: Path, entry: ModelEntry, sequences: list[list[int]],
-              margin: float = 1.1) -> list[tuple[np.ndarray, np.ndarray]]:
+def kv_scales(graph: Path, entry: ModelEntry, sequences: list[list[int]]) -> Scales:
+    """The scales of another model (the draft) on the target's calibration text."""
+    return _scales(_session(graph, entry), sequences)
+
+
+def _scales(session: DecoderSession, sequences: list[list[int]],
+            margin: float = 1.1) -> Scales:
     """Per layer, the (K, V) scales [kv_heads, 1, head_dim] that map the largest value
     seen per channel (times `margin`, for text unlike the calibration) to 127."""
-    session = DecoderSession(graph, entry, ["CPUExecutionProvider"],
-                             max_len=min(entry.max_positions, CALIBRATION_LEN))
+    entry = session.entry
     peak = np.zeros((entry.num_layers, 2, entry.num_kv_heads, entry.head_dim))
     for ids in sequences:
         session.cache.reset()
