@@ -197,7 +197,7 @@ class Engine:
         kv = SharedKVCache(self.target.cache) if shared else None
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, draft_providers,
                                      draft_device or device, max_len=self.target.max_len,
-                                     threads=threads, shared=shared, cache=kv)
+                                     threads=threads, shared=shared, cache=kv, ranked=True)
                       if m.draft else None)
         self._sessions = [s for s in (self.target, self.draft) if s is not None]
         # what actually runs, as the sessions report it: "cpu", "cuda", "cuda+cpu, draft cpu"

@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 import edgespec
+from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
+from edgespec.runtimes import DecoderSession
+from edgespec.spec.tree import top_logprobs
 from tests.conftest import torch_model
 
 PROMPTS = [
@@ -98,6 +101,36 @@ def test_sampling_spec_matches_ar_distribution(engine, drafter):
     table = table[:, table.sum(0) >= 10]
     assert table.shape[1] >= 2
     assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_ranked_draft_passes_equal_ranking_its_logits(demo_bundle):
+    """The draft graph's in-graph top-k (what trees grow from) against numpy's ranking of
+    the same graph's logits, over a prefill, a tree pass and a plain step in between, so
+    the two bindings also share one KV cache correctly."""
+    m = read_manifest(demo_bundle)
+    plain, ranked = (DecoderSession(demo_bundle / m.draft.graph, m.draft,
+                                    ["CPUExecutionProvider"], "cpu", 64, ranked=flag)
+                     for flag in (False, True))
+    prompt = [5, 80, 312, 9, 44, 7]
+    for lo, hi in [(0, 4), (4, 5), (5, 6)]:  # prefill ranked, step plain, step ranked
+        got = (ranked.forward_ranked(prompt[lo:hi], 4, 0.7) if hi != 5
+               else (ranked.forward(prompt[lo:hi]), None))
+        want = plain.forward(prompt[lo:hi])
+        if got[1] is None:
+            np.testing.assert_allclose(got[0], want, atol=1e-5)
+            continue
+        reference = top_logprobs(want, 4, 0.7)
+        assert got[1].tolist() == reference[1].tolist()
+        np.testing.assert_allclose(got[0], reference[0], atol=1e-4)
+    past = len(prompt)
+    bias = np.zeros((1, 1, 3, past + 3), np.float32)
+    bias[0, 0, 1:, past] = bias[0, 0, 2, past + 1] = np.finfo(np.float32).min  # siblings
+    positions = np.array([past, past, past])
+    logprobs, ids = ranked.forward_ranked([11, 12, 13], 3, 1.0, positions, bias)
+    reference = top_logprobs(plain.forward([11, 12, 13], positions, bias), 3)
+    assert ids.tolist() == reference[1].tolist()
+    np.testing.assert_allclose(logprobs, reference[0], atol=1e-4)
+    assert ranked.cache.length == plain.cache.length == past + 3
 
 
 def test_lookup_drafts_from_a_repetitive_prompt(engine):

@@ -29,6 +29,7 @@ from edgespec.spec import (
 )
 from edgespec.spec.chain import verify_chain
 from edgespec.spec.drafters import lookup
+from edgespec.spec.tree import top_logprobs
 
 V = 5
 
@@ -269,6 +270,18 @@ def test_tree_inputs_show_each_node_only_its_ancestors():
                                 [1, 1, 1, 1, 1, 0, 1, 0],   # c: not b
                                 [1, 1, 1, 1, 1, 1, 0, 1]]   # d: a, b
     assert tree.prune(2).tokens == [10, 11]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_top_logprobs_are_the_best_log_softmax_entries(temperature):
+    logits = np.random.default_rng(3).normal(0, 4, (4, 50)).astype(np.float32)
+    z = logits.astype(np.float64) / temperature
+    reference = z - z.max(1, keepdims=True)
+    reference -= np.log(np.exp(reference).sum(1, keepdims=True))
+    logprobs, ids = top_logprobs(logits, 6, temperature)
+    assert ids.tolist() == np.argsort(-reference, axis=1)[:, :6].tolist()
+    np.testing.assert_allclose(logprobs, np.take_along_axis(reference, ids, 1), atol=1e-5)
+    assert top_logprobs(logits, 99)[1].shape == (4, 50)  # k beyond the vocabulary: all
 
 
 def test_verify_tree_follows_matching_children():

@@ -14,6 +14,7 @@ from edgespec.quant.vocab_trim import count_tokens, kept_tokens
 from edgespec.runtimes import DecoderSession
 from edgespec.spec import GenerationStats, ModelDrafter, SamplingParams, chain_decode
 from edgespec.spec.drafters import TrimmedModel
+from edgespec.spec.tree import top_logprobs
 from tests.test_spec import MarkovModel, V, assert_matches, exact_distribution, tables, take
 
 
@@ -70,6 +71,17 @@ def test_greedy_trimmed_spec_equals_ar(trimmed_bundle, kwargs):
         spec = engine.generate(prompt, max_new_tokens=40, **kwargs)
         assert spec.token_ids == ar.token_ids
         assert spec.stats.accepted > 0
+
+
+def test_a_trimmed_draft_ranks_in_full_vocabulary_ids():
+    target_table, draft_table = tables(4)
+    kept = np.array([0, 2, 4])
+    draft = TrimmedModel(MarkovModel(draft_table[:, kept]), kept, V)
+    logprobs, ids = draft.forward_ranked([1, 3], 2, 0.8)
+    reference = top_logprobs(TrimmedModel(MarkovModel(draft_table[:, kept]), kept, V)
+                             .forward([1, 3]), 2, 0.8)
+    assert ids.tolist() == reference[1].tolist() and set(ids.ravel()) <= set(kept)
+    np.testing.assert_allclose(logprobs, reference[0], atol=1e-6)
 
 
 def test_sampling_with_a_trimmed_draft_is_lossless():

@@ -62,6 +62,9 @@ class KVCache:
     def compact(self, start: int, slots: list[int]) -> None:
         """Move the entries at `slots` to start, start+1, ... and cut the cache there
         (the verified path of a token tree, made contiguous again)."""
+        if list(slots) == list(range(start, start + len(slots))):  # already in place
+            self.length = start + len(slots)
+            return
         if not hasattr(self, "arrays"):
             self.mover = self.mover or KVMover(2 * len(self.buffers), self.dtype,
                                                self.device)
@@ -206,7 +209,7 @@ class ConcatKVCache(KVCache):
             binding.bind_output(f"present_value_{i}", self.device)
 
     def after_run(self, binding: ort.IOBinding, length: int) -> None:
-        outputs = binding.get_outputs()[1:]  # logits first, then the presents in order
+        outputs = binding.get_outputs()[-2 * self.layers:]  # the presents come last
         self.values = [(outputs[2 * i], outputs[2 * i + 1]) for i in range(self.layers)]
         self.length = length
 
@@ -224,12 +227,13 @@ def causal_bias(past: int, s: int) -> np.ndarray:
 
 
 def open_session(path: Path, providers: list[str], threads: int = 0,
-                 model: bytes | None = None) -> ort.InferenceSession:
-    """A session on the graph at `path`, or on `model` (a segment cut from it) whose
-    external weights ONNX Runtime then reads from path's directory.
+                 model: bytes | None = None, spin: bool = True) -> ort.InferenceSession:
+    """A session on the graph at `path`, or on `model` (a segment cut from it, or the
+    graph with ranked outputs) whose external weights ONNX Runtime then reads from path's
+    directory.
 
-    Segments run one after another, each session with its own thread pool, so a
-    segment's idle threads must not spin waiting for work while the next one runs."""
+    Segments run one after another, each session with its own thread pool, so their idle
+    threads must not spin (`spin=False`) waiting for work while the next one runs."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
@@ -237,6 +241,7 @@ def open_session(path: Path, providers: list[str], threads: int = 0,
     if model is not None:
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                       str(path.parent.resolve()))
+    if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     try:
         return ort.InferenceSession(model if model is not None else str(path), opts,
@@ -246,6 +251,34 @@ def open_session(path: Path, providers: list[str], threads: int = 0,
                             "re-export the bundle.") from None
 
 
+def with_ranked_outputs(path: Path) -> bytes:
+    """The decoder graph at `path` that also ranks its next-token distribution: inputs
+    `temperature` (scalar) and `top_k` ([1]), outputs `top_logprobs` and `top_ids`
+    ([1, S, k], best first) = top-k of log_softmax(logits / temperature).
+
+    A tree drafter scores every node it expands by these. Done in numpy outside the graph
+    that costs ~150 µs per draft pass for three rows of a 4,096-token vocabulary (an
+    arg-partition and a log-sum-exp over the vocabulary each), most of a small draft's
+    own run time; inside, ONNX Runtime does it in a few tens of µs."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    graph.input.extend([helper.make_tensor_value_info("temperature", TensorProto.FLOAT, []),
+                        helper.make_tensor_value_info("top_k", TensorProto.INT64, [1])])
+    graph.node.extend([
+        helper.make_node("Cast", ["logits"], ["rank_logits"], to=TensorProto.FLOAT),
+        helper.make_node("Div", ["rank_logits", "temperature"], ["rank_scaled"]),
+        helper.make_node("LogSoftmax", ["rank_scaled"], ["rank_logprobs"], axis=-1),
+        helper.make_node("TopK", ["rank_logprobs", "top_k"], ["top_logprobs", "top_ids"],
+                         axis=-1)])
+    graph.output.extend([
+        helper.make_tensor_value_info("top_logprobs", TensorProto.FLOAT, [1, "S", "k"]),
+        helper.make_tensor_value_info("top_ids", TensorProto.INT64, [1, "S", "k"])])
+    return model.SerializeToString()
+
+
 class DecoderSession:
     """Drive one exported decoder graph step by step.
 
@@ -253,12 +286,18 @@ class DecoderSession:
     IOBinding: a BitNest bundle's draft and target are one graph whose `use_residual`
     input picks the 4-bit base or the full 8-bit weights, so the weights are held once,
     and the draft's `cache` can be a SharedKVCache over the target's.
+
+    A `ranked` session (a draft of its own, not shared) also offers `forward_ranked`,
+    the top-k of its warped log-probabilities computed in the graph.
     """
 
     def __init__(self, path: Path, entry: ModelEntry, providers: list[str],
                  device: str = "auto", max_len: int | None = None, threads: int = 0,
-                 shared: ort.InferenceSession | None = None, cache: KVCache | None = None):
-        self.session = shared or open_session(path, providers, threads)
+                 shared: ort.InferenceSession | None = None, cache: KVCache | None = None,
+                 ranked: bool = False):
+        self.ranked = ranked and shared is None
+        self.session = shared or open_session(
+            path, providers, threads, with_ranked_outputs(path) if self.ranked else None)
         self.run_s = 0.0  # seconds spent inside ONNX Runtime, for overhead accounting
         self.transfer_s = 0.0  # of run_s, moving weights to the device: none, all resident
         self.device = check_session(self.session, device, providers)
@@ -269,9 +308,18 @@ class DecoderSession:
         self.binding = self.session.io_binding()
         self.vocab = entry.vocab_size  # a nested draft's trimmed head is narrower
         self.logits = LogitsOutput(self.binding, self.vocab)  # first: get_outputs()[0]
-        self.cache.bind(self.binding)
+        self.cache.bind(self.binding)  # the presents are bound last, in both bindings
         if entry.nested:  # BitNest: this view computes with the base, or base + residual
             self.binding.bind_cpu_input("use_residual", np.array(entry.nested == "target"))
+        if self.ranked:  # plain forwards feed neutral values to the ranking inputs
+            self.binding.bind_cpu_input("temperature", np.ones((), np.float32))
+            self.binding.bind_cpu_input("top_k", np.ones(1, np.int64))
+            self.ranked_binding = self.session.io_binding()
+            self._ranking: tuple[int, float] | None = None
+            self._ranked_out: dict[tuple[int, int], tuple] = {}  # host buffers per (S, k)
+            for name in ("top_logprobs", "top_ids"):
+                self.ranked_binding.bind_output(name, "cpu")
+            self.cache.bind(self.ranked_binding)
 
     def forward(self, ids: list[int] | np.ndarray, positions: np.ndarray | None = None,
                 bias: np.ndarray | None = None) -> np.ndarray:
@@ -280,18 +328,49 @@ class DecoderSession:
         `positions` and `bias` default to a left-to-right chunk; a token tree passes node
         depths and a [1,1,S,past+S] bias with -inf for non-ancestors.
         """
+        past, s = self._feed(self.binding, ids, positions, bias)
+        self.logits.bind(s, reuse=not isinstance(self.cache, ConcatKVCache))
+        self._run(self.binding, past + s)
+        return self.logits.read()
+
+    def forward_ranked(self, ids: list[int] | np.ndarray, k: int, temperature: float,
+                       positions: np.ndarray | None = None, bias: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """Like `forward`, but return the k most likely next tokens after each fed token
+        and their log-probabilities under softmax(logits / temperature): ([S, k], [S, k])
+        (spec.tree.top_logprobs is the same in numpy)."""
+        binding = self.ranked_binding
+        past, s = self._feed(binding, ids, positions, bias)
+        k = min(k, self.vocab)
+        if (k, temperature) != self._ranking:  # a tree keeps them for all its passes
+            self._ranking = k, temperature
+            binding.bind_cpu_input("temperature", np.array(temperature, np.float32))
+            binding.bind_cpu_input("top_k", np.array([k], np.int64))
+        if (s, k) not in self._ranked_out:
+            if len(self._ranked_out) > 64:  # prefills come in every length
+                self._ranked_out.clear()
+            out = np.empty((1, s, k), np.float32), np.empty((1, s, k), np.int64)
+            self._ranked_out[s, k] = out, [ort.OrtValue.ortvalue_from_numpy(a) for a in out]
+        out, values = self._ranked_out[s, k]
+        for name, value in zip(("top_logprobs", "top_ids"), values, strict=True):
+            binding.bind_ortvalue_output(name, value)
+        self._run(binding, past + s)
+        return out[0][0].copy(), out[1][0].copy()
+
+    def _feed(self, binding: ort.IOBinding, ids: list[int] | np.ndarray,
+              positions: np.ndarray | None, bias: np.ndarray | None) -> tuple[int, int]:
         past = self.cache.length
         feeds = step_inputs(ids, positions, bias, past, self.max_len)
         for name, value in zip(STEP_INPUTS, feeds, strict=True):
-            self.binding.bind_cpu_input(name, value)
-        s = feeds[0].shape[1]
-        self.logits.bind(s, reuse=not isinstance(self.cache, ConcatKVCache))
-        self.cache.before_run(self.binding)
+            binding.bind_cpu_input(name, value)
+        return past, feeds[0].shape[1]
+
+    def _run(self, binding: ort.IOBinding, length: int) -> None:
+        self.cache.before_run(binding)
         t0 = time.perf_counter()
-        self.session.run_with_iobinding(self.binding)
+        self.session.run_with_iobinding(binding)
         self.run_s += time.perf_counter() - t0
-        self.cache.after_run(self.binding, past + s)
-        return self.logits.read()
+        self.cache.after_run(binding, length)
 
 
 STEP_INPUTS = ("input_ids", "position_ids", "attention_bias")

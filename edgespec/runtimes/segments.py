@@ -158,7 +158,8 @@ class Segment:
         providers = [PROVIDER[placement.device]]
         if placement.device != "cpu":
             providers.append(PROVIDER["cpu"])
-        self.session = open_session(path, providers, threads, graph.SerializeToString())
+        self.session = open_session(path, providers, threads, graph.SerializeToString(),
+                                    spin=False)
         self.device = check_session(self.session, placement.device, providers)
         self.inputs = {i.name for i in self.session.get_inputs()}
         self.weights = {t.name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(

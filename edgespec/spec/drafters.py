@@ -16,7 +16,7 @@ import numpy as np
 from edgespec.spec.adaptive import should_stop
 from edgespec.spec.sampling import SamplingParams, sample_probs, warp
 from edgespec.spec.stats import GenerationStats
-from edgespec.spec.tree import NEG_INF, DraftTree, expand, expand_best_first
+from edgespec.spec.tree import NEG_INF, DraftTree, Ranked, expand, expand_best_first, top_logprobs
 
 
 class Cache(Protocol):
@@ -161,31 +161,47 @@ class TreeDrafter:
     def propose_tree(self, tokens: list[int], budget: int, params: SamplingParams,
                      stats: GenerationStats) -> DraftTree:
         m = self.model
-        root_logits = m.forward(tokens[m.cache.length:])[-1]
-        stats.draft_passes += 1
+        temperature = 1.0 if params.greedy else params.temperature
+
+        def ranked(ids: list[int], positions: np.ndarray | None = None,
+                   bias: np.ndarray | None = None) -> Ranked:
+            stats.draft_passes += 1
+            return ranked_forward(m, ids, self.top_k, temperature, positions, bias)
+
+        logprobs, ids = ranked(tokens[m.cache.length:])
         base = self.committed = len(tokens)
         slot: dict[int, int] = {}
 
-        def step(nodes: list[int], tree: DraftTree) -> np.ndarray:
+        def step(nodes: list[int], tree: DraftTree) -> Ranked:
             past = m.cache.length
             slot.update({node: past + row for row, node in enumerate(nodes)})
             bias = tree.ancestor_bias(nodes, slot.__getitem__, base, past + len(nodes))
-            stats.draft_passes += 1
             positions = base - 1 + np.array([tree.depths[n] for n in nodes])
-            return m.forward([tree.tokens[n] for n in nodes], positions, bias)
+            return ranked([tree.tokens[n] for n in nodes], positions, bias)
 
         room = m.max_len - base  # tree nodes the draft's cache can still take
         depth = min(self.depth, room, room // self.top_k + 1)  # k nodes fed per level
         chain = lookup(np.asarray(tokens), min(self.lookup_tokens, budget, depth), 3)
         budget -= len(chain)  # the grafted branch must fit the budget too
+        root = logprobs[-1:], ids[-1:]
         if self.best_first:
             # a large budget is grown in wide batches: ~16 draft passes whatever its size
-            tree = expand_best_first(root_logits, step, params, self.top_k,
-                                     max(self.top_k, budget // 16), budget, depth, room)
+            tree = expand_best_first(root, step, max(self.top_k, budget // 16), budget, depth,
+                                     room)
         else:
-            tree = expand(root_logits, step, params, self.top_k, depth, budget)
+            tree = expand(root, step, self.top_k, depth, budget)
         tree.graft(chain)
         return tree
+
+
+def ranked_forward(model: Model, ids: list[int], k: int, temperature: float,
+                   positions: np.ndarray | None = None, bias: np.ndarray | None = None
+                   ) -> Ranked:
+    """The top-k log-probabilities after each fed token: ranked inside the graph when the
+    model can (`ranked`, see runtimes.decoder.with_ranked_outputs), else from its logits."""
+    if getattr(model, "ranked", False):
+        return model.forward_ranked(ids, k, temperature, positions, bias)
+    return top_logprobs(model.forward(ids, positions, bias), k, temperature)
 
 
 class TrimmedModel:
@@ -212,3 +228,11 @@ class TrimmedModel:
         full = np.full((small.shape[0], self.vocab_size), NEG_INF, dtype=np.float32)
         full[:, self.kept] = small
         return full
+
+    ranked = True  # ranks in the small head's ids, mapped back
+
+    def forward_ranked(self, ids: list[int], k: int, temperature: float,
+                       positions: np.ndarray | None = None,
+                       bias: np.ndarray | None = None) -> Ranked:
+        logprobs, small = ranked_forward(self.model, ids, k, temperature, positions, bias)
+        return logprobs, self.kept[small]

@@ -25,6 +25,25 @@ from edgespec.spec.sampling import SamplingParams, sample
 
 NEG_INF = np.finfo(np.float32).min
 
+# A draft pass's proposals per fed token: log-probabilities [S, k], best first, and ids.
+Ranked = tuple[np.ndarray, np.ndarray]
+
+
+def top_logprobs(logits: np.ndarray, k: int, temperature: float = 1.0) -> Ranked:
+    """Each row's k most likely tokens and their log-probabilities under
+    softmax(logits / temperature), best first: what a tree scores nodes by. A draft
+    graph computes the same in ONNX Runtime (runtimes.decoder.with_ranked_outputs); this
+    is the reference and the path for models without it."""
+    with np.errstate(over="ignore"):  # a trimmed head's NEG_INF / T < 1: -inf, as meant
+        z = np.asarray(logits, dtype=np.float32) / np.float32(temperature)
+    k = min(k, z.shape[1])
+    best = np.argpartition(z, -k, axis=1)[:, -k:]
+    top = np.take_along_axis(z, best, axis=1)
+    order = np.argsort(-top, axis=1, kind="stable")
+    best, top = np.take_along_axis(best, order, axis=1), np.take_along_axis(top, order, axis=1)
+    norm = top[:, :1] + np.log(np.exp(z - top[:, :1]).sum(axis=1, keepdims=True))
+    return top - norm, best
+
 
 @dataclass
 class DraftTree:
@@ -34,6 +53,7 @@ class DraftTree:
     parents: list[int] = field(default_factory=list)  # -1: child of the root
     depths: list[int] = field(default_factory=list)  # 1 for the root's children
     scores: list[float] = field(default_factory=list)  # cumulative draft log-probability
+    lineage: list[tuple[int, ...]] = field(default_factory=list)  # see ancestors()
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -43,15 +63,13 @@ class DraftTree:
         self.parents.append(parent)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         self.scores.append(score)
+        self.lineage.append((len(self.tokens) - 1, *(self.lineage[parent] if parent >= 0
+                                                     else ())))
         return len(self.tokens) - 1
 
-    def ancestors(self, node: int) -> list[int]:
+    def ancestors(self, node: int) -> tuple[int, ...]:
         """The node and its ancestors (root excluded), nearest first."""
-        chain = []
-        while node >= 0:
-            chain.append(node)
-            node = self.parents[node]
-        return chain
+        return self.lineage[node] if node >= 0 else ()
 
     def graft(self, chain: list[int]) -> None:
         """Add a chain of tokens below the root, sharing nodes where they already exist
@@ -82,8 +100,10 @@ class DraftTree:
         rows = list(rows)
         bias = np.full((1, 1, len(rows), total), NEG_INF, dtype=np.float32)
         bias[0, 0, :, :visible] = 0.0
-        for row, node in enumerate(rows):
-            bias[0, 0, row, [slot(a) for a in self.ancestors(node)]] = 0.0
+        seen = [(row, slot(a)) for row, node in enumerate(rows) for a in self.ancestors(node)]
+        if seen:  # one scatter for all rows: this runs for every draft pass of a tree
+            rr, cc = zip(*seen, strict=True)
+            bias[0, 0, list(rr), list(cc)] = 0.0
         return bias
 
     def verify_inputs(self, root: int, past: int) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -96,31 +116,28 @@ class DraftTree:
         return [root, *self.tokens], positions, bias
 
 
-def expand(root_logits: np.ndarray, step: Callable[[list[int], DraftTree], np.ndarray],
-           params: SamplingParams, top_k: int, depth: int, budget: int) -> DraftTree:
-    """Grow a tree from the draft's logits at the root.
+def expand(root: Ranked, step: Callable[[list[int], DraftTree], Ranked], top_k: int,
+           depth: int, budget: int) -> DraftTree:
+    """Grow a tree from the draft's ranked proposals at the root (one row).
 
     `step(nodes, tree)` runs the draft on `nodes` (already in `tree`) and returns their
-    logits, one row each. Scores use the warped draft distribution, so sampling with a
-    temperature grows the tree the target is likely to follow at that temperature.
+    ranked proposals, one row each. Scores are cumulative log-probabilities of the warped
+    draft distribution, so sampling with a temperature grows the tree the target is
+    likely to follow at that temperature.
     """
     tree = DraftTree()
     if budget <= 0 or depth <= 0:
         return tree
-    frontier = _children(tree, -1, 0.0, root_logits, params, top_k)
+    frontier = _children(tree, [-1], root)
     for _ in range(depth - 1):
-        logits = step(frontier, tree)
-        candidates = []
-        for node, row in zip(frontier, logits, strict=True):
-            candidates += _children(tree, node, tree.scores[node], row, params, top_k)
+        candidates = _children(tree, frontier, step(frontier, tree))
         frontier = sorted(candidates, key=lambda i: -tree.scores[i])[:top_k]
     return tree.prune(budget)
 
 
-def expand_best_first(root_logits: np.ndarray,
-                      step: Callable[[list[int], DraftTree], np.ndarray],
-                      params: SamplingParams, top_k: int, batch: int, budget: int,
-                      max_depth: int, max_fed: int | None = None) -> DraftTree:
+def expand_best_first(root: Ranked, step: Callable[[list[int], DraftTree], Ranked],
+                      batch: int, budget: int, max_depth: int,
+                      max_fed: int | None = None) -> DraftTree:
     """SpecExec-style growth for large budgets (hundreds of nodes, when a target pass is
     expensive): repeatedly expand the `batch` best not-yet-expanded nodes, wherever they
     are, until the tree holds `budget` nodes worth keeping (or the draft has been fed
@@ -128,7 +145,7 @@ def expand_best_first(root_logits: np.ndarray,
     tree = DraftTree()
     if budget <= 0 or max_depth <= 0:
         return tree
-    open_nodes = _children(tree, -1, 0.0, root_logits, params, top_k)
+    open_nodes = _children(tree, [-1], root)
     fed = 0
     while open_nodes:
         if max_fed is not None:
@@ -142,25 +159,19 @@ def expand_best_first(root_logits: np.ndarray,
             break
         open_nodes = [n for n in open_nodes if n not in best]
         fed += len(best)
-        for node, row in zip(best, step(best, tree), strict=True):
-            open_nodes += _children(tree, node, tree.scores[node], row, params, top_k)
+        open_nodes += _children(tree, best, step(best, tree))
     return tree.prune(budget)
 
 
-def _children(tree: DraftTree, parent: int, score: float, logits: np.ndarray,
-              params: SamplingParams, top_k: int) -> list[int]:
-    """Add the top_k children of `parent`, scored by cumulative warped log-probability.
-    This runs for every expanded node, so the k best are picked on the raw logits (the
-    same order as their log-probabilities) and only a log-sum-exp spans the vocabulary."""
-    z = np.asarray(logits, dtype=np.float32)
-    if not params.greedy:
-        z = z / np.float32(params.temperature)
-    k = min(top_k, len(z))
-    best = np.argpartition(z, -k)[-k:]
-    top = z[best].max()
-    norm = float(top) + float(np.log(np.exp(z - top).sum()))
-    best = best[np.argsort(-z[best], kind="stable")]
-    return [tree.add(int(t), parent, score + float(z[t]) - norm) for t in best]
+def _children(tree: DraftTree, parents: list[int], ranked: Ranked) -> list[int]:
+    """Add each parent's proposals (row i belongs to parents[i]) as its children,
+    scored by the parent's score plus their log-probability."""
+    logprobs, ids = ranked
+    base = [tree.scores[p] if p >= 0 else 0.0 for p in parents]
+    return [tree.add(t, parent, score + lp)
+            for parent, score, tokens, lps in zip(parents, base, ids.tolist(),
+                                                  logprobs.tolist(), strict=True)
+            for t, lp in zip(tokens, lps, strict=True)]
 
 
 def verify_tree(target_logits: np.ndarray, tree: DraftTree, params: SamplingParams,
