@@ -11,12 +11,17 @@ Stop rules (within one chain):
 Length controller (across chains): with per-token acceptance α, a γ-chain commits
 E(γ) = (1 - α^(γ+1)) / (1 - α) tokens per target pass and costs γ·c_draft + c_verify(γ+1).
 α, c_draft and c_verify(S) are tracked as exponential moving averages of what each pass
-measured, and the next γ maximizes E(γ) / cost(γ).
+measured, and the next γ maximizes E(γ) / cost(γ). γ = 0 is a plain AR step (E = 1, cost
+c_verify(1)): when no chain is expected to beat it (a draft that agrees too rarely, or
+costs too much next to the target), the controller decodes plainly and, every
+`probe_every` such steps, drafts one chain anyway to keep α measured.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from statistics import median
 
 import numpy as np
 
@@ -35,40 +40,47 @@ def should_stop(probs: np.ndarray, rule: str, threshold: float = 0.4) -> bool:
 
 
 class GammaController:
-    """Picks the chain length that maximizes expected tokens per second."""
+    """Picks the chain length that maximizes expected tokens per second.
 
-    def __init__(self, max_gamma: int, alpha: float = 0.7, decay: float = 0.8):
+    Costs are medians of the last `window` measurements (per verified length S): on a
+    busy machine one pass in a few is delayed several-fold, and a moving average would
+    carry such a spike for many passes (and keep γ = 0 from ever being re-measured)."""
+
+    def __init__(self, max_gamma: int, alpha: float = 0.7, decay: float = 0.8,
+                 probe_every: int = 32, window: int = 9):
         self.max_gamma = max_gamma
         self.alpha = alpha
         self.decay = decay
-        self.draft_cost: float | None = None  # seconds per draft pass
-        self.verify_cost: dict[int, float] = {}  # seconds per verify pass of S tokens
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
+        self.probe_every = probe_every
+        self.window = window
+        self.plain_steps = 0  # consecutive passes that drafted nothing
+        self._draft: deque[float] = deque(maxlen=window)  # seconds per draft pass
+        self._verify: dict[int, deque[float]] = {}  # seconds per verify pass of S tokens
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.plain_steps = 0 if drafted else self.plain_steps + 1
         if drafted:
             # each proposal is a Bernoulli trial until the first rejection
             trials = accepted + (accepted < drafted)
-            self.alpha = min(0.99, max(0.01, self._ema(self.alpha, accepted / trials)))
-            self.draft_cost = self._ema(self.draft_cost, draft_s / drafted)
-        s = drafted + 1
-        self.verify_cost[s] = self._ema(self.verify_cost.get(s), verify_s)
-
-    def _verify(self, s: int) -> float:
-        if s in self.verify_cost:
-            return self.verify_cost[s]
-        # not measured yet: the nearest measured size (optimistic, so it gets tried)
-        nearest = min(self.verify_cost, key=lambda k: (abs(k - s), k))
-        return self.verify_cost[nearest]
+            rate = accepted / trials
+            self.alpha = min(0.99, max(0.01, self.decay * self.alpha + (1 - self.decay) * rate))
+            self._draft.append(draft_s / drafted)
+        self._verify.setdefault(drafted + 1, deque(maxlen=self.window)).append(verify_s)
 
     def gamma(self) -> int:
-        if self.draft_cost is None or not self.verify_cost:
+        if not self._draft or not self._verify:
             return self.max_gamma
-        a = self.alpha
+        if 1 not in self._verify:
+            return 0  # what a plain step costs is measured once, on the second pass
+        a, draft = self.alpha, median(self._draft)
+        verify = {s: median(v) for s, v in self._verify.items()}
 
         def rate(g: int) -> float:
-            return (1 - a ** (g + 1)) / (1 - a) / (g * self.draft_cost + self._verify(g + 1))
+            # an S not measured yet costs as much as the nearest measured one
+            cost = verify.get(g + 1) or verify[min(verify, key=lambda k: (abs(k - g - 1), k))]
+            return (1 - a ** (g + 1)) / (1 - a) / (g * draft + cost)
 
-        return max(range(1, self.max_gamma + 1), key=rate)
+        best = max(range(self.max_gamma + 1), key=rate)
+        if best == 0 and self.plain_steps >= self.probe_every:
+            return max(range(1, self.max_gamma + 1), key=rate)  # the probe
+        return best
