@@ -254,6 +254,23 @@ def test_greedy_lookup_equals_greedy_ar(seed):
     assert stats.accepted > 0  # greedy Markov chains cycle, so lookup hits
 
 
+def test_lookup_takes_the_latest_longest_match():
+    """Against a brute-force reading of the rule, on random short sequences."""
+
+    def reference(seq: list[int], n: int, max_ngram: int) -> list[int]:
+        for k in range(min(max_ngram, len(seq) - 1), 0, -1):
+            starts = [i for i in range(len(seq) - k) if seq[i:i + k] == seq[-k:]]
+            if starts:
+                return seq[starts[-1] + k:starts[-1] + k + n]
+        return []
+
+    rng = np.random.default_rng(1)
+    for _ in range(3000):
+        seq = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 30))).tolist()
+        for max_ngram, n in [(1, 3), (3, 4), (4, 1)]:
+            assert lookup(np.array(seq), n, max_ngram) == reference(seq, n, max_ngram)
+
+
 def test_tree_inputs_show_each_node_only_its_ancestors():
     tree = DraftTree()
     a = tree.add(10, -1, -0.1)

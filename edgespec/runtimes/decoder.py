@@ -317,6 +317,7 @@ class DecoderSession:
             self.ranked_binding = self.session.io_binding()
             self._ranking: tuple[int, float] | None = None
             self._ranked_out: dict[tuple[int, int], tuple] = {}  # host buffers per (S, k)
+            self._ranked_bound: tuple | None = None
             for name in ("top_logprobs", "top_ids"):
                 self.ranked_binding.bind_output(name, "cpu")
             self.cache.bind(self.ranked_binding)
@@ -352,8 +353,10 @@ class DecoderSession:
             out = np.empty((1, s, k), np.float32), np.empty((1, s, k), np.int64)
             self._ranked_out[s, k] = out, [ort.OrtValue.ortvalue_from_numpy(a) for a in out]
         out, values = self._ranked_out[s, k]
-        for name, value in zip(("top_logprobs", "top_ids"), values, strict=True):
-            binding.bind_ortvalue_output(name, value)
+        if self._ranked_bound is not out:  # a tree's draft passes feed the same S
+            self._ranked_bound = out
+            for name, value in zip(("top_logprobs", "top_ids"), values, strict=True):
+                binding.bind_ortvalue_output(name, value)
         self._run(binding, past + s)
         return out[0][0].copy(), out[1][0].copy()
 

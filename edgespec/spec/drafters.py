@@ -118,16 +118,20 @@ class LookupDrafter:
 
 
 def lookup(seq: np.ndarray, n: int, max_ngram: int) -> list[int]:
-    """Up to n tokens following the most recent earlier match of seq's last k-gram."""
-    if n <= 0:
+    """Up to n tokens following the most recent earlier match of seq's last k-gram, k as
+    large as any match allows (at most max_ngram). One pass over the sequence finds the
+    earlier occurrences of the last token; the longer matches are checked among those."""
+    if n <= 0 or len(seq) < 2:
         return []
-    for k in range(min(max_ngram, len(seq) - 1), 0, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], k)
-        hits = np.flatnonzero((windows == seq[-k:]).all(axis=1))
-        if len(hits):
-            start = hits[-1] + k
-            return seq[start:start + n].tolist()
-    return []
+    ends = np.flatnonzero(seq[:-1] == seq[-1])  # where an earlier match would end
+    if not len(ends):
+        return []
+    length = np.ones(len(ends), dtype=np.int64)  # of the match ending there, so far
+    for j in range(1, min(max_ngram, len(seq) - 1)):
+        back = ends - j
+        length += (length == j) & (back >= 0) & (seq[np.maximum(back, 0)] == seq[-1 - j])
+    end = ends[np.flatnonzero(length == length.max())[-1]]
+    return seq[end + 1:end + 1 + n].tolist()
 
 
 class TreeDrafter:
@@ -181,7 +185,8 @@ class TreeDrafter:
 
         room = m.max_len - base  # tree nodes the draft's cache can still take
         depth = min(self.depth, room, room // self.top_k + 1)  # k nodes fed per level
-        chain = lookup(np.asarray(tokens), min(self.lookup_tokens, budget, depth), 3)
+        chain = (lookup(np.asarray(tokens), min(self.lookup_tokens, budget, depth), 3)
+                 if self.lookup_tokens else [])
         budget -= len(chain)  # the grafted branch must fit the budget too
         root = logprobs[-1:], ids[-1:]
         if self.best_first:
