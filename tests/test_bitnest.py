@@ -26,6 +26,10 @@ def test_codes_reconstruct_exactly(k):
     # the draft's weight is the high nibble alone: c = 16·q4 + qr, qr in [-8, 7]
     hi = np.floor_divide(nw.int8_codes().astype(np.int16) + 8, 16)
     np.testing.assert_allclose(dequantize(nw.base), hi * s, atol=1e-6)
+    # the same W8 as one 8-bit plane (the LM head both models read whole)
+    w8 = nw.as_8bit()
+    assert w8.bits == 8 and w8.packed.shape == (16, k // 32, 32)
+    np.testing.assert_allclose(dequantize(w8), nw.w8(), rtol=0, atol=1e-6)
 
 
 def test_w8_is_much_closer_than_the_base_and_clipping_helps():

@@ -10,7 +10,10 @@ tokens/s (side by side in that process) and the acceptance.
     python tools/bench_bitnest.py /tmp/qwen05b --new 48 --prompts 3 --block-size 128
 
 RSS counts file-backed pages too (the bundle's data, which ONNX Runtime may map); the
-anonymous part (Linux RssAnon) is the memory that cannot simply be dropped.
+anonymous part (Linux RssAnon) is the memory that cannot simply be dropped. Probes run
+with MALLOC_ARENA_MAX=1 and measure after malloc_trim: otherwise whether glibc happens to
+serve the first pass from a second arena moved either bundle's figure by ~96 MiB from run
+to run (0.5B shape), more than the difference being measured.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,11 +32,12 @@ from rich.console import Console
 from edgespec.export import export
 
 PROBE = r"""
-import json, sys, psutil, edgespec
+import ctypes, json, sys, psutil, edgespec
 engine = edgespec.load(sys.argv[1])
 prompts = ["def quicksort(items):", "import os\nimport sys\n", "class Stack:\n",
            "def parse(line):\n", "for i in range(10):\n"][:int(sys.argv[3])]
 engine.generate(prompts[0], max_new_tokens=4, mode="ar")
+ctypes.CDLL("libc.so.6").malloc_trim(0)
 rss = psutil.Process().memory_info().rss
 status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
 anon = int(status.get("RssAnon", "0 kB").split()[0]) * 1024  # Linux: not file-backed
@@ -75,7 +80,8 @@ def main() -> None:
                console=quiet, **kwargs)
         size = sum(p.stat().st_size for p in out.iterdir())
         probe = subprocess.run([sys.executable, "-c", PROBE, str(out), str(args.new),
-                                str(args.prompts)], capture_output=True, text=True, check=True)
+                                str(args.prompts)], capture_output=True, text=True, check=True,
+                               env={**os.environ, "MALLOC_ARENA_MAX": "1"})
         report[name] = {"bundle_MiB": round(size / 2**20, 1), **json.loads(probe.stdout)}
         print(json.dumps({name: report[name]}), flush=True)
     print(json.dumps({"checkpoint": str(args.checkpoint), "results": report}, indent=1))

@@ -84,8 +84,10 @@ class GraphBuilder:
         weight is nested; `whole_nest` has the draft read both nibbles too (the LM head:
         as in every int4 export, a 4-bit head costs more acceptance than it saves)."""
         if self.nested:
-            view = "target" if whole_nest else self.nested
-            return self._nested(x, nest(weight, self.block_size), name, view)
+            nw = nest(weight, self.block_size)
+            if whole_nest:  # both models read both nibbles: one 8-bit plane serves both
+                return self._nbits(x, nw.as_8bit(), name)
+            return self._nested(x, nw, name, self.nested)
         bits = bits or BITS.get(self.precision)
         if bits is None:
             store = np.float16 if self.precision == "fp16" else self.dtype
@@ -115,9 +117,9 @@ class GraphBuilder:
         same codes of the kept `rows` only (both nibbles, as for an untrimmed head); the
         branch outputs differ in width, [.., V] or [.., K]."""
         outer, self.nodes = self.nodes, []
-        full = self._nested(x, nest(weight, self.block_size), f"{name}.full", "target")
+        full = self._nbits(x, nest(weight, self.block_size).as_8bit(), f"{name}.full")
         then_nodes, self.nodes = self.nodes, []
-        kept = self._nested(x, nest(weight[rows], self.block_size), f"{name}.kept", "target")
+        kept = self._nbits(x, nest(weight[rows], self.block_size).as_8bit(), f"{name}.kept")
         else_nodes, self.nodes = self.nodes, outer
         out = [helper.make_tensor_value_info(n, self.onnx_dtype, None) for n in (full, kept)]
         return self.node("If", ["use_residual"], [f"{name}.out"], f"{name}.if",

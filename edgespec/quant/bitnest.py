@@ -38,6 +38,19 @@ class NestedWeight:
         qr = _codes(self.residual)
         return (16 * q4 + qr).astype(np.int8)
 
+    def as_8bit(self) -> QuantizedWeight:
+        """The same W8 as one 8-bit weight: codes 16 · q4 + qr at scale s / 16. What a
+        model reading both nibbles keeps (the LM head, read whole by draft and target
+        alike): one plane and one set of block scales instead of two, as much memory as
+        the W8 target's own head, and one matmul instead of two."""
+        base, residual = (unpack_rows(q.packed, 4).astype(np.int16) - 8
+                          for q in (self.base, self.residual))
+        codes = (16 * base + residual + 128).astype(np.uint8)
+        r = self.residual
+        return QuantizedWeight(pack_rows(codes, 8), r.scales,
+                               np.full(r.zero_points.shape, 128, np.uint8), 8, r.block_size,
+                               r.n, r.k)
+
 
 def _codes(qw: QuantizedWeight) -> np.ndarray:
     return unpack_rows(qw.packed, 4).reshape(qw.n, -1).astype(np.int16)[:, :qw.k] - 8
