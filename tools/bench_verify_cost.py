@@ -37,9 +37,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 5, 8, 16, 32])
     a = ap.parse_args()
     engine = edgespec.load(a.model, device="cpu")
-    print(json.dumps([{"tokens": s, "target_ms": round(pass_ms(engine.target, s), 3),
-                       "draft_ms": round(pass_ms(engine.draft, s), 3)} for s in a.tokens],
-                     indent=1))
+    models = {"target_ms": engine.target, "draft_ms": engine.draft}
+    print(json.dumps([{"tokens": s, **{name: round(pass_ms(model, s), 3)
+                                       for name, model in models.items() if model}}
+                      for s in a.tokens], indent=1))
 
 
 if __name__ == "__main__":

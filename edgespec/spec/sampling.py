@@ -24,8 +24,12 @@ class SamplingParams:
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Probabilities after temperature, top-k and top-p, along the last axis."""
-    z = np.asarray(logits, dtype=np.float64) / max(params.temperature, 1e-6)
+    """Probabilities after temperature, top-k and top-p, along the last axis.
+
+    In float32, as the logits come: this runs for every drafted and verified token, and
+    float64 doubled its cost; probabilities are only summed into a CDF in float64."""
+    with np.errstate(over="ignore"):  # a trimmed head's NEG_INF / T < 1: -inf, as meant
+        z = np.asarray(logits, dtype=np.float32) / np.float32(max(params.temperature, 1e-6))
     if params.top_k and params.top_k < z.shape[-1]:
         kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]
         z = np.where(z < kth, -np.inf, z)
@@ -52,6 +56,8 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
 
 
 def sample_probs(probs: np.ndarray, rng: np.random.Generator) -> int:
-    cdf = np.cumsum(probs)
+    # float64: a float32 running sum over a large vocabulary would round small
+    # probabilities by a visible fraction of themselves
+    cdf = np.cumsum(probs, dtype=np.float64)
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"),
                    len(probs) - 1))
