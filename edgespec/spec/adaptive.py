@@ -14,7 +14,7 @@ E(γ) = (1 - α^(γ+1)) / (1 - α) tokens per target pass and costs γ·c_draft 
 measured, and the next γ maximizes E(γ) / cost(γ). γ = 0 is a plain AR step (E = 1, cost
 c_verify(1)): when no chain is expected to beat it (a draft that agrees too rarely, or
 costs too much next to the target), the controller decodes plainly and, every
-`probe_every` such steps, drafts one chain anyway to keep α measured.
+`probe_every` such steps, drafts one token anyway to keep α measured.
 """
 
 from __future__ import annotations
@@ -82,5 +82,5 @@ class GammaController:
 
         best = max(range(self.max_gamma + 1), key=rate)
         if best == 0 and self.plain_steps >= self.probe_every:
-            return max(range(1, self.max_gamma + 1), key=rate)  # the probe
+            return 1  # the probe: one proposal, about the price of a plain step
         return best

@@ -86,12 +86,11 @@ class DraftTree:
         keep = sorted(sorted(range(len(self)), key=lambda i: (-self.scores[i],
                                                              self.depths[i]))[:budget])
         index = {old: new for new, old in enumerate(keep)}
-        tree = DraftTree()
-        for old in keep:
-            parent = self.parents[old]
-            assert parent < 0 or parent in index, "pruning must keep ancestors"
-            tree.add(self.tokens[old], index.get(parent, -1), self.scores[old])
-        return tree
+        parents = [self.parents[old] for old in keep]
+        assert all(p < 0 or p in index for p in parents), "pruning must keep ancestors"
+        return DraftTree([self.tokens[old] for old in keep], [index.get(p, -1) for p in parents],
+                         [self.depths[old] for old in keep], [self.scores[old] for old in keep],
+                         [tuple(index[a] for a in self.lineage[old]) for old in keep])
 
     def ancestor_bias(self, rows: Iterable[int], slot: Callable[[int], int], visible: int,
                       total: int) -> np.ndarray:
