@@ -148,11 +148,11 @@ def make_model(shape: dict, vocab: int, tok: Tokenizer, seq: int) -> LlamaForCau
     return LlamaForCausalLM(cfg)
 
 
-def train(model, stream, held, steps, peak_lr, batch, seq, seed, teacher=None, log=print):
-    """AdamW + cosine; with a teacher, the loss is KL(teacher || model) + 0.1 * CE."""
+def train(model, data, held, steps, peak_lr, seq, teacher=None, log=print):
+    """AdamW + cosine over batches from `data`; with a teacher, the loss is
+    KL(teacher || model) + 0.1 * CE."""
     opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
-    data = batches(stream, batch, seq, np.random.default_rng(seed))
     t0 = time.time()
     for step in range(steps):
         for g in opt.param_groups:
@@ -174,6 +174,31 @@ def train(model, stream, held, steps, peak_lr, batch, seq, seed, teacher=None, l
             log(f"step {step}/{steps} loss {loss.item():.3f} "
                 f"({(time.time() - t0) / (step + 1):.2f} s/step)")
     return eval_loss(model, held, seq), time.time() - t0
+
+
+@torch.no_grad()
+def target_continuations(target, stream: np.ndarray, n: int, prompt: int, new: int,
+                         seed: int, eos: int, batch: int = 64) -> torch.Tensor:
+    """n sequences: a corpus window and the target's greedy continuation of it. The
+    continuations are the text a draft must predict when decoding (on-policy distillation,
+    as in DistillSpec): the corpus alone teaches it what the corpus says next."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(0, n, batch):
+        starts = rng.integers(0, len(stream) - prompt, size=batch)
+        x = torch.from_numpy(np.stack([stream[s:s + prompt] for s in starts]).astype(np.int64))
+        out.append(target.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                                   min_new_tokens=new, do_sample=False, pad_token_id=eos))
+    return torch.cat(out)[:n]
+
+
+def epochs(seqs: torch.Tensor, batch: int, seed: int):
+    """Shuffled batches of `seqs`, epoch after epoch."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        for idx in torch.randperm(len(seqs), generator=gen).split(batch):
+            if len(idx) == batch:
+                yield seqs[idx]
 
 
 @torch.no_grad()
@@ -241,6 +266,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--target-steps", type=int, default=2000)
     ap.add_argument("--draft-steps", type=int, default=1200)
+    ap.add_argument("--onpolicy-steps", type=int, default=800)
+    ap.add_argument("--onpolicy-seqs", type=int, default=3072)
+    ap.add_argument("--target-from", type=Path,
+                    help="load this trained target (and its tokenizer) instead of training one")
+    ap.add_argument("--draft-from", type=Path,
+                    help="load this corpus-distilled draft and run only the on-policy phase")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
@@ -262,25 +293,48 @@ def main() -> None:
     chats = [c for t in texts for c in chat_examples(t)]
     log(f"corpus: {len(train_files)} files ({sum(map(len, texts))/1e6:.1f} M chars), "
         f"{len(chats)} chat examples, {len(held_files)} files held aside")
-    tok = train_tokenizer(texts + chats, args.vocab_size)
+    if args.target_from:
+        tok = Tokenizer.from_file(str(args.target_from / "tokenizer.json"))
+    else:
+        tok = train_tokenizer(texts + chats, args.vocab_size)
     stream = encode_stream(tok, texts + chats)
     held = encode_stream(tok, [read(p) for p in held_files])
     log(f"tokens: train {len(stream)/1e6:.2f} M, held-out {len(held)/1e6:.2f} M "
         f"({time.time() - t_start:.0f} s)")
 
-    target = make_model(TARGET_SHAPE, args.vocab_size, tok, args.seq)
-    log(f"target: {target.num_parameters()/1e6:.2f} M params")
-    t_loss, t_time = train(target, stream, held, args.target_steps, args.lr, args.batch,
-                           args.seq, args.seed, log=log)
+    if args.target_from:
+        target = LlamaForCausalLM.from_pretrained(args.target_from, torch_dtype=torch.float32)
+        t_loss, t_time = eval_loss(target, held, args.seq), 0.0
+    else:
+        target = make_model(TARGET_SHAPE, args.vocab_size, tok, args.seq)
+        log(f"target: {target.num_parameters()/1e6:.2f} M params")
+        t_loss, t_time = train(target, batches(stream, args.batch, args.seq,
+                                               np.random.default_rng(args.seed)),
+                               held, args.target_steps, args.lr, args.seq, log=log)
     target.eval()
     write_checkpoint(target, tok, args.out / "target", args.seq)
     log(f"target held-out loss {t_loss:.3f} after {t_time/60:.1f} min")
 
     torch.manual_seed(args.seed + 1)
-    draft = make_model(DRAFT_SHAPE, args.vocab_size, tok, args.seq)
-    log(f"draft: {draft.num_parameters()/1e6:.2f} M params")
-    d_loss, d_time = train(draft, stream, held, args.draft_steps, args.lr, args.batch,
-                           args.seq, args.seed + 1, teacher=target, log=log)
+    if args.draft_from:
+        draft = LlamaForCausalLM.from_pretrained(args.draft_from, torch_dtype=torch.float32)
+        d_time = 0.0
+    else:
+        draft = make_model(DRAFT_SHAPE, args.vocab_size, tok, args.seq)
+        log(f"draft: {draft.num_parameters()/1e6:.2f} M params")
+        _, d_time = train(draft, batches(stream, args.batch, args.seq,
+                                         np.random.default_rng(args.seed + 1)),
+                          held, args.draft_steps, args.lr, args.seq, teacher=target, log=log)
+    corpus_agreement = greedy_agreement(target, draft, tok, held_files)
+    log(f"agreement after corpus distillation: {corpus_agreement}")
+    t0 = time.time()
+    seqs = target_continuations(target, stream, args.onpolicy_seqs, 64, 64, args.seed + 2,
+                                tok.token_to_id(EOS))
+    log(f"{len(seqs)} target continuations in {(time.time() - t0) / 60:.1f} min")
+    draft.train()
+    d_loss, p_time = train(draft, epochs(seqs, args.batch, args.seed + 2), held,
+                           args.onpolicy_steps, args.lr / 4, args.seq, teacher=target, log=log)
+    d_time += time.time() - t0
     draft.eval()
     write_checkpoint(draft, tok, args.out / "draft", args.seq)
     log(f"draft held-out loss {d_loss:.3f} after {d_time/60:.1f} min")
@@ -306,7 +360,12 @@ def main() -> None:
         "draft": {**DRAFT_SHAPE, "params": draft.num_parameters(),
                   "steps": args.draft_steps, "held_out_loss": round(d_loss, 4),
                   "train_minutes": round(d_time / 60, 1),
-                  "objective": "KL(target || draft) + 0.1 * cross-entropy"},
+                  "onpolicy_steps": args.onpolicy_steps,
+                  "onpolicy_sequences": f"{args.onpolicy_seqs} corpus windows of 64 tokens "
+                                        "+ the target's greedy 64-token continuations",
+                  "objective": "KL(target || draft) + 0.1 * cross-entropy, on the corpus, "
+                               "then on the target's own continuations at lr / 4"},
+        "agreement_after_corpus_distillation": corpus_agreement,
         "agreement_on_held_aside_files": agreement,
         "sample_greedy_target": tok.decode(sample[0].tolist()),
         "total_minutes": round((time.time() - t_start) / 60, 1),

@@ -10,11 +10,11 @@ Stop rules (within one chain):
 
 Length controller (across chains): with per-token acceptance α, a γ-chain commits
 E(γ) = (1 - α^(γ+1)) / (1 - α) tokens per target pass and costs γ·c_draft + c_verify(γ+1).
-α, c_draft and c_verify(S) are tracked as exponential moving averages of what each pass
-measured, and the next γ maximizes E(γ) / cost(γ). γ = 0 is a plain AR step (E = 1, cost
-c_verify(1)): when no chain is expected to beat it (a draft that agrees too rarely, or
-costs too much next to the target), the controller decodes plainly and, every
-`probe_every` such steps, drafts one token anyway to keep α measured.
+α is an exponential moving average of what each pass measured, c_draft and c_verify(S)
+medians of the recent passes, and the next γ maximizes E(γ) / cost(γ). γ = 0 is a plain
+AR step (E = 1, cost c_verify(1)): when no chain is expected to beat it (a draft that
+agrees too rarely, or costs too much next to the target), the controller decodes plainly
+and, every `probe_every` such steps, drafts one token anyway to keep α measured.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ class GammaController:
 
         def rate(g: int) -> float:
             # an S not measured yet costs as much as the nearest measured one
-            cost = verify.get(g + 1) or verify[min(verify, key=lambda k: (abs(k - g - 1), k))]
-            return (1 - a ** (g + 1)) / (1 - a) / (g * draft + cost)
+            s = min(verify, key=lambda k: (abs(k - g - 1), k))
+            return (1 - a ** (g + 1)) / (1 - a) / (g * draft + verify[s])
 
         best = max(range(self.max_gamma + 1), key=rate)
         if best == 0 and self.plain_steps >= self.probe_every:
