@@ -5,6 +5,10 @@ cache), on the CUDA execution provider: which provider each session really got; 
 vs the CPU fp32 export (fp16: ~1e-2); greedy chain and tree speculation == greedy AR
 (trees compact the KV cache on the device); AR vs speculative tokens/s side by side.
 
+Part 1b, BitNest: the demo target as W8 and as a nested bundle (int8, cuda profile):
+greedy nested spec == AR, tokens/s of W8 AR, nested AR and nested spec side by side, and
+the pass costs t(1), t(5), d(1) that bound a chain's speedup.
+
 Part 2, offload: a random-init Qwen2.5-1.5B-shaped target (fp16, cuda profile) with a
 SubSpec-style draft (the same weights at int8: a random-init model's distributions are so
 flat that an int4 copy agrees on ~10% of tokens, too few to say anything), under a GPU
@@ -30,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from bench_verify_cost import pass_ms  # tools/ is this script's directory
 from rich.console import Console
 
 import edgespec
@@ -78,6 +83,41 @@ def demo_on_cuda(tmp: Path, report: dict, device: str = "cuda") -> None:
         row["greedy_equals_ar"] = same
         row["tokens_per_s"] = {k: round(float(np.mean(v)), 1) for k, v in speeds.items()}
         emit(report, f"demo_{precision}_kv_{kv_cache}", row)
+
+
+def bitnest(tmp: Path, report: dict, device: str = "cuda") -> None:
+    """Issue 5's speed question where a pass may be bound by reading weights: the demo
+    target as a plain W8 bundle and as a BitNest bundle (int8, cuda profile). Greedy
+    nested speculation must equal AR; tokens/s of W8 AR, nested AR and nested spec side by
+    side; and what a pass costs by tokens fed, t(1), t(5), and the draft's d(1), which
+    bound any chain's speedup at E · t(1) / (4 · d(1) + t(5))."""
+    costs, speeds = {}, {}
+    for name, options in (("w8", {}), ("nested", {"draft": "nested"})):
+        out = tmp / f"bitnest-{name}"
+        export(PAIR / "target", out, precision="int8", ep_profile="cuda", console=QUIET,
+               **options)
+        engine = edgespec.load(out, device=device)
+        modes = {"ar": {"mode": "ar"}} | ({"spec": {"mode": "spec"}} if engine.draft else {})
+        results = {k: [engine.generate(p, max_new_tokens=128, **o) for p in PROMPTS]
+                   for k, o in modes.items()}
+        speeds[name] = {k: round(float(np.mean([r.stats.tokens_per_second for r in v])), 1)
+                        for k, v in results.items()}
+        if engine.draft:
+            stats = [r.stats for r in results["spec"]]
+            speeds[name]["greedy_equals_ar"] = all(
+                a.token_ids == b.token_ids
+                for a, b in zip(results["ar"], results["spec"], strict=True))
+            speeds[name]["acceptance"] = sum(s.accepted for s in stats) / sum(
+                s.drafted for s in stats)
+            speeds[name]["tokens_per_pass"] = sum(s.new_tokens for s in stats) / sum(
+                s.target_passes for s in stats)
+        costs[name] = {f"t({n})_ms": round(pass_ms(engine.target, n), 3) for n in (1, 5)}
+        if engine.draft:
+            costs[name]["d(1)_ms"] = round(pass_ms(engine.draft, 1), 3)
+    emit(report, "bitnest_demo", {"device": engine.devices, "tokens_per_s": speeds,
+                                  "pass_costs": costs,
+                                  "nested_spec_vs_w8_ar": round(speeds["nested"]["spec"]
+                                                                / speeds["w8"]["ar"], 2)})
 
 
 def make_qwen(path: Path, smoke: bool) -> Path:
@@ -174,7 +214,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     report: dict = {}
     device = "cpu" if a.smoke else "cuda"
-    parts = [] if a.skip_demo else [lambda: demo_on_cuda(tmp, report, device)]
+    parts = [] if a.skip_demo else [lambda: demo_on_cuda(tmp, report, device),
+                                    lambda: bitnest(tmp, report, device)]
     parts.append(lambda: offload(tmp, report, a.smoke))
     for part in parts:
         try:

@@ -14,7 +14,7 @@ E(γ) = (1 - α^(γ+1)) / (1 - α) tokens per target pass and costs γ·c_draft 
 medians of the recent passes, and the next γ maximizes E(γ) / cost(γ). γ = 0 is a plain
 AR step (E = 1, cost c_verify(1)): when no chain is expected to beat it (a draft that
 agrees too rarely, or costs too much next to the target), the controller decodes plainly
-and, every `probe_every` such steps, drafts one token anyway to keep α measured.
+and, every `probe_every` such steps, drafts its best chain anyway to keep α measured.
 """
 
 from __future__ import annotations
@@ -54,17 +54,24 @@ class GammaController:
         self.probe_every = probe_every
         self.window = window
         self.plain_steps = 0  # consecutive passes that drafted nothing
+        self.updates = 0
         self._draft: deque[float] = deque(maxlen=window)  # seconds per draft pass
         self._verify: dict[int, deque[float]] = {}  # seconds per verify pass of S tokens
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        # a draft pass right after another drafting pass catches up on one pass's tokens;
+        # the first one (the prompt) and one after plain steps catch up on many, which a
+        # steady chain never pays, so they do not count as the draft's cost
+        steady = self.updates > 0 and self.plain_steps == 0
+        self.updates += 1
         self.plain_steps = 0 if drafted else self.plain_steps + 1
         if drafted:
             # each proposal is a Bernoulli trial until the first rejection
             trials = accepted + (accepted < drafted)
             rate = accepted / trials
             self.alpha = min(0.99, max(0.01, self.decay * self.alpha + (1 - self.decay) * rate))
-            self._draft.append(draft_s / drafted)
+            if steady:
+                self._draft.append(draft_s / drafted)
         self._verify.setdefault(drafted + 1, deque(maxlen=self.window)).append(verify_s)
 
     def gamma(self) -> int:
@@ -82,5 +89,7 @@ class GammaController:
 
         best = max(range(self.max_gamma + 1), key=rate)
         if best == 0 and self.plain_steps >= self.probe_every:
-            return 1  # the probe: one proposal, about the price of a plain step
+            # the probe: the chain that would be chosen, since acceptance is correlated
+            # along a chain (one-token probes made longer chains look worse than they are)
+            return max(range(1, self.max_gamma + 1), key=rate)
         return best
