@@ -12,6 +12,7 @@ import edgespec
 from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.runtimes import DecoderSession
+from edgespec.spec.sampling import SamplingParams, warp
 from edgespec.spec.tree import top_logprobs
 from tests.conftest import torch_model
 
@@ -81,16 +82,18 @@ def test_ar_matches_transformers_greedy(fp32_bundle, demo_target):
         assert got.token_ids == want[:eos]
 
 
-@pytest.mark.parametrize("drafter", ["chain3", "tree8"])
-def test_sampling_spec_matches_ar_distribution(engine, drafter):
-    """Two-sample chi-square on the first two tokens with top-k 3 (≤ 9 outcomes)."""
+@pytest.mark.parametrize("drafter,sampling", [
+    ("chain3", dict(temperature=1.0, top_k=3)), ("tree8", dict(temperature=1.0, top_k=3)),
+    ("chain3", dict(temperature=0.5))])  # plain temperature: the draft samples in-graph
+def test_sampling_spec_matches_ar_distribution(engine, drafter, sampling):
+    """Two-sample chi-square on the first two tokens (rare outcomes pooled out)."""
     from scipy.stats import chi2_contingency
 
     def outcomes(kwargs):
         counts: dict[tuple, int] = {}
         for seed in range(500):
-            r = engine.generate("def main(", max_new_tokens=2, temperature=1.0, top_k=3,
-                                seed=seed, **kwargs)
+            r = engine.generate("def main(", max_new_tokens=2, seed=seed, **sampling,
+                                **kwargs)
             key = tuple(r.token_ids)
             counts[key] = counts.get(key, 0) + 1
         return counts
@@ -131,6 +134,21 @@ def test_ranked_draft_passes_equal_ranking_its_logits(demo_bundle):
     assert ids.tolist() == reference[1].tolist()
     np.testing.assert_allclose(logprobs, reference[0], atol=1e-4)
     assert ranked.cache.length == plain.cache.length == past + 3
+
+
+def test_draft_samples_from_its_own_graph(demo_bundle):
+    """forward_sample's q and CDF against warp() and cumsum of the same graph's logits."""
+    m = read_manifest(demo_bundle)
+    plain, ranked = (DecoderSession(demo_bundle / m.draft.graph, m.draft,
+                                    ["CPUExecutionProvider"], "cpu", 64, ranked=flag)
+                     for flag in (False, True))
+    for ids in ([5, 80, 312, 9], [44]):
+        q, cdf = ranked.forward_sample(ids, 0.7)
+        want = warp(plain.forward(ids)[-1], SamplingParams(0.7))
+        np.testing.assert_allclose(q, want, atol=1e-6)
+        np.testing.assert_allclose(cdf, np.cumsum(q, dtype=np.float64), rtol=1e-12)
+        assert cdf.dtype == np.float64
+    assert ranked.cache.length == plain.cache.length == 5
 
 
 def test_lookup_drafts_from_a_repetitive_prompt(engine):

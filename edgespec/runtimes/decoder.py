@@ -254,12 +254,14 @@ def open_session(path: Path, providers: list[str], threads: int = 0,
 def with_ranked_outputs(path: Path) -> bytes:
     """The decoder graph at `path` that also ranks its next-token distribution: inputs
     `temperature` (scalar) and `top_k` ([1]), outputs `top_logprobs` and `top_ids`
-    ([1, S, k], best first) = top-k of log_softmax(logits / temperature).
+    ([1, S, k], best first) = top-k of log_softmax(logits / temperature), and for the last
+    fed token `last_probs` = softmax(logits / temperature) ([1, V]) and its running sum
+    in float64, `last_cdf`.
 
-    A tree drafter scores every node it expands by these. Done in numpy outside the graph
-    that costs ~150 µs per draft pass for three rows of a 4,096-token vocabulary (an
-    arg-partition and a log-sum-exp over the vocabulary each), most of a small draft's
-    own run time; inside, ONNX Runtime does it in a few tens of µs."""
+    A tree drafter scores every node it expands by the ranking, a sampling chain draws
+    from the last row's CDF. Done in numpy outside the graph, either costs ~100-150 µs
+    per draft pass on a 4,096-token vocabulary (several passes over the vocabulary), most
+    of a small draft's own run time; inside, ONNX Runtime does it in tens of µs."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -272,10 +274,18 @@ def with_ranked_outputs(path: Path) -> bytes:
         helper.make_node("Div", ["rank_logits", "temperature"], ["rank_scaled"]),
         helper.make_node("LogSoftmax", ["rank_scaled"], ["rank_logprobs"], axis=-1),
         helper.make_node("TopK", ["rank_logprobs", "top_k"], ["top_logprobs", "top_ids"],
-                         axis=-1)])
+                         axis=-1),
+        helper.make_node("Constant", [], ["rank_last"], value=helper.make_tensor(
+            "rank_last", TensorProto.INT64, [], [-1])),
+        helper.make_node("Gather", ["rank_scaled", "rank_last"], ["rank_last_z"], axis=1),
+        helper.make_node("Softmax", ["rank_last_z"], ["last_probs"], axis=-1),
+        helper.make_node("Cast", ["last_probs"], ["rank_probs64"], to=TensorProto.DOUBLE),
+        helper.make_node("CumSum", ["rank_probs64", "rank_last"], ["last_cdf"])])
     graph.output.extend([
         helper.make_tensor_value_info("top_logprobs", TensorProto.FLOAT, [1, "S", "k"]),
-        helper.make_tensor_value_info("top_ids", TensorProto.INT64, [1, "S", "k"])])
+        helper.make_tensor_value_info("top_ids", TensorProto.INT64, [1, "S", "k"]),
+        helper.make_tensor_value_info("last_probs", TensorProto.FLOAT, [1, "V"]),
+        helper.make_tensor_value_info("last_cdf", TensorProto.DOUBLE, [1, "V"])])
     return model.SerializeToString()
 
 
@@ -288,14 +298,15 @@ class DecoderSession:
     and the draft's `cache` can be a SharedKVCache over the target's.
 
     A `ranked` session (a draft of its own, not shared) also offers `forward_ranked`,
-    the top-k of its warped log-probabilities computed in the graph.
+    the top-k of its warped log-probabilities computed in the graph, and `forward_sample`,
+    the last token's warped distribution and its CDF (`samples` says it can).
     """
 
     def __init__(self, path: Path, entry: ModelEntry, providers: list[str],
                  device: str = "auto", max_len: int | None = None, threads: int = 0,
                  shared: ort.InferenceSession | None = None, cache: KVCache | None = None,
                  ranked: bool = False):
-        self.ranked = ranked and shared is None
+        self.ranked = self.samples = ranked and shared is None
         self.session = shared or open_session(
             path, providers, threads, with_ranked_outputs(path) if self.ranked else None)
         self.run_s = 0.0  # seconds spent inside ONNX Runtime, for overhead accounting
@@ -321,6 +332,13 @@ class DecoderSession:
             for name in ("top_logprobs", "top_ids"):
                 self.ranked_binding.bind_output(name, "cpu")
             self.cache.bind(self.ranked_binding)
+            self.sample_binding = self.session.io_binding()
+            self.sample_binding.bind_cpu_input("top_k", np.ones(1, np.int64))
+            self._sampled = np.empty((1, self.vocab), np.float32), np.empty((1, self.vocab))
+            for name, array in zip(("last_probs", "last_cdf"), self._sampled, strict=True):
+                self.sample_binding.bind_ortvalue_output(
+                    name, ort.OrtValue.ortvalue_from_numpy(array))
+            self.cache.bind(self.sample_binding)
 
     def forward(self, ids: list[int] | np.ndarray, positions: np.ndarray | None = None,
                 bias: np.ndarray | None = None) -> np.ndarray:
@@ -359,6 +377,17 @@ class DecoderSession:
                 binding.bind_ortvalue_output(name, value)
         self._run(binding, past + s)
         return out[0][0].copy(), out[1][0].copy()
+
+    def forward_sample(self, ids: list[int] | np.ndarray, temperature: float
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """Like `forward`, but return the distribution after the last fed token,
+        softmax(logits / temperature) [V], and its running sum in float64 [V]: a sampling
+        chain's q row and what to draw from (spec.sampling.sample_cdf)."""
+        binding = self.sample_binding
+        past, s = self._feed(binding, ids, None, None)
+        binding.bind_cpu_input("temperature", np.array(temperature, np.float32))
+        self._run(binding, past + s)
+        return self._sampled[0][0].copy(), self._sampled[1][0].copy()
 
     def _feed(self, binding: ort.IOBinding, ids: list[int] | np.ndarray,
               positions: np.ndarray | None, bias: np.ndarray | None) -> tuple[int, int]:

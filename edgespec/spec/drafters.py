@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from edgespec.spec.adaptive import should_stop
-from edgespec.spec.sampling import SamplingParams, sample_probs, warp
+from edgespec.spec.sampling import SamplingParams, sample_cdf, sample_probs, warp
 from edgespec.spec.stats import GenerationStats
 from edgespec.spec.tree import NEG_INF, DraftTree, Ranked, expand, expand_best_first, top_logprobs
 
@@ -72,11 +72,18 @@ class ModelDrafter:
         q_rows: list[np.ndarray] = []
         feed = tokens[self.model.cache.length:]
         need_q = not params.greedy or self.stop_rule != "none"  # a softmax over V costs
+        # plain temperature sampling: the draft graph computes q and its CDF itself
+        in_graph = (not params.greedy and not params.top_k and params.top_p >= 1.0
+                    and getattr(self.model, "samples", False))
         for _ in range(n):
-            logits = self.model.forward(feed)[-1]
             stats.draft_passes += 1
-            q = warp(logits, params if not params.greedy else SamplingParams(1.0)) \
-                if need_q else None
+            cdf = None
+            if in_graph:
+                q, cdf = self.model.forward_sample(feed, params.temperature)
+            else:
+                logits = self.model.forward(feed)[-1]
+                q = warp(logits, params if not params.greedy else SamplingParams(1.0)) \
+                    if need_q else None
             if proposals and q is not None and should_stop(q, self.stop_rule,
                                                            self.threshold):
                 break  # keeps at least one proposal, so the draft pass is not wasted
@@ -84,7 +91,8 @@ class ModelDrafter:
                 proposals.append(int(np.argmax(logits)))
             else:
                 q_rows.append(q)
-                proposals.append(sample_probs(q, rng))
+                proposals.append(sample_cdf(cdf, rng) if cdf is not None
+                                 else sample_probs(q, rng))
             feed = proposals[-1:]
         return proposals, (np.stack(q_rows) if q_rows else None)
 

@@ -58,6 +58,9 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
 def sample_probs(probs: np.ndarray, rng: np.random.Generator) -> int:
     # float64: a float32 running sum over a large vocabulary would round small
     # probabilities by a visible fraction of themselves
-    cdf = np.cumsum(probs, dtype=np.float64)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"),
-                   len(probs) - 1))
+    return sample_cdf(np.cumsum(probs, dtype=np.float64), rng)
+
+
+def sample_cdf(cdf: np.ndarray, rng: np.random.Generator) -> int:
+    """One index drawn from the distribution whose running sum (any scale) is `cdf`."""
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(cdf) - 1))
