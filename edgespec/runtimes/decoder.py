@@ -62,18 +62,16 @@ class KVCache:
     def compact(self, start: int, slots: list[int]) -> None:
         """Move the entries at `slots` to start, start+1, ... and cut the cache there
         (the verified path of a token tree, made contiguous again)."""
-        if list(slots) == list(range(start, start + len(slots))):  # already in place
-            self.length = start + len(slots)
-            return
-        if not hasattr(self, "arrays"):
+        if list(slots) == list(range(start, start + len(slots))):
+            pass  # already in place
+        elif hasattr(self, "arrays"):
+            for k, v in self.arrays:
+                k[:, :, start:start + len(slots)] = k[:, :, slots]
+                v[:, :, start:start + len(slots)] = v[:, :, slots]
+        else:
             self.mover = self.mover or KVMover(2 * len(self.buffers), self.dtype,
                                                self.device)
             self.mover.move(self.buffers, start, slots)
-            self.length = start + len(slots)
-            return
-        for k, v in self.arrays:
-            k[:, :, start:start + len(slots)] = k[:, :, slots]
-            v[:, :, start:start + len(slots)] = v[:, :, slots]
         self.length = start + len(slots)
 
     def bind(self, binding: ort.IOBinding) -> None:
@@ -318,8 +316,8 @@ class DecoderSession:
         self.cache = cache or layout(entry, self.max_len, self.device)
         self.binding = self.session.io_binding()
         self.vocab = entry.vocab_size  # a nested draft's trimmed head is narrower
-        self.logits = LogitsOutput(self.binding, self.vocab)  # first: get_outputs()[0]
-        self.cache.bind(self.binding)  # the presents are bound last, in both bindings
+        self.logits = HostOutput(self.session, self.binding, "logits")
+        self.cache.bind(self.binding)  # the presents are bound last, in every binding
         if entry.nested:  # BitNest: this view computes with the base, or base + residual
             self.binding.bind_cpu_input("use_residual", np.array(entry.nested == "target"))
         if self.ranked:  # plain forwards feed neutral values to the ranking inputs
@@ -327,17 +325,15 @@ class DecoderSession:
             self.binding.bind_cpu_input("top_k", np.ones(1, np.int64))
             self.ranked_binding = self.session.io_binding()
             self._ranking: tuple[int, float] | None = None
-            self._ranked_out: dict[tuple[int, int], tuple] = {}  # host buffers per (S, k)
-            self._ranked_bound: tuple | None = None
-            for name in ("top_logprobs", "top_ids"):
-                self.ranked_binding.bind_output(name, "cpu")
+            self.top = [HostOutput(self.session, self.ranked_binding, name)
+                        for name in ("top_logprobs", "top_ids")]
             self.cache.bind(self.ranked_binding)
             self.sample_binding = self.session.io_binding()
             self.sample_binding.bind_cpu_input("top_k", np.ones(1, np.int64))
-            self._sampled = np.empty((1, self.vocab), np.float32), np.empty((1, self.vocab))
-            for name, array in zip(("last_probs", "last_cdf"), self._sampled, strict=True):
-                self.sample_binding.bind_ortvalue_output(
-                    name, ort.OrtValue.ortvalue_from_numpy(array))
+            self.last = [HostOutput(self.session, self.sample_binding, name)
+                         for name in ("last_probs", "last_cdf")]
+            for out in self.last:
+                out.bind((1, self.vocab))
             self.cache.bind(self.sample_binding)
 
     def forward(self, ids: list[int] | np.ndarray, positions: np.ndarray | None = None,
@@ -348,7 +344,7 @@ class DecoderSession:
         depths and a [1,1,S,past+S] bias with -inf for non-ancestors.
         """
         past, s = self._feed(self.binding, ids, positions, bias)
-        self.logits.bind(s, reuse=not isinstance(self.cache, ConcatKVCache))
+        self.logits.bind((1, s, self.vocab), reuse=not isinstance(self.cache, ConcatKVCache))
         self._run(self.binding, past + s)
         return self.logits.read()
 
@@ -365,18 +361,10 @@ class DecoderSession:
             self._ranking = k, temperature
             binding.bind_cpu_input("temperature", np.array(temperature, np.float32))
             binding.bind_cpu_input("top_k", np.array([k], np.int64))
-        if (s, k) not in self._ranked_out:
-            if len(self._ranked_out) > 64:  # prefills come in every length
-                self._ranked_out.clear()
-            out = np.empty((1, s, k), np.float32), np.empty((1, s, k), np.int64)
-            self._ranked_out[s, k] = out, [ort.OrtValue.ortvalue_from_numpy(a) for a in out]
-        out, values = self._ranked_out[s, k]
-        if self._ranked_bound is not out:  # a tree's draft passes feed the same S
-            self._ranked_bound = out
-            for name, value in zip(("top_logprobs", "top_ids"), values, strict=True):
-                binding.bind_ortvalue_output(name, value)
+        for out in self.top:
+            out.bind((1, s, k))
         self._run(binding, past + s)
-        return out[0][0].copy(), out[1][0].copy()
+        return self.top[0].read(), self.top[1].read()
 
     def forward_sample(self, ids: list[int] | np.ndarray, temperature: float
                        ) -> tuple[np.ndarray, np.ndarray]:
@@ -387,7 +375,7 @@ class DecoderSession:
         past, s = self._feed(binding, ids, None, None)
         binding.bind_cpu_input("temperature", np.array(temperature, np.float32))
         self._run(binding, past + s)
-        return self._sampled[0][0].copy(), self._sampled[1][0].copy()
+        return self.last[0].read(), self.last[1].read()
 
     def _feed(self, binding: ort.IOBinding, ids: list[int] | np.ndarray,
               positions: np.ndarray | None, bias: np.ndarray | None) -> tuple[int, int]:
@@ -427,30 +415,42 @@ def step_inputs(ids: list[int] | np.ndarray, positions: np.ndarray | None,
             np.ascontiguousarray(bias, np.float32))
 
 
-class LogitsOutput:
-    """The `logits` output, bound to a reused host buffer for the small S of decoding
-    steps, which spares ONNX Runtime an allocation and Python the wrapping of every
-    output. It must be the binding's first output (bound before anything else)."""
+ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16,
+             "tensor(double)": np.float64, "tensor(int64)": np.int64}
 
-    def __init__(self, binding: ort.IOBinding, vocab: int):
-        self.binding, self.vocab = binding, vocab
-        self._buffers: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}
-        self._out: np.ndarray | None = None
-        binding.bind_output("logits", "cpu")
 
-    def bind(self, s: int, reuse: bool = True) -> None:
-        if s > 64 or not reuse:
-            self.binding.bind_output("logits", "cpu")  # fresh: its shape follows S
-            self._out = None
-            return
-        if s not in self._buffers:
-            array = np.empty((1, s, self.vocab), dtype=np.float32)
-            self._buffers[s] = (array, ort.OrtValue.ortvalue_from_numpy(array))
-        self._out, value = self._buffers[s]
-        self.binding.bind_ortvalue_output("logits", value)
+class HostOutput:
+    """A graph output bound to a host buffer that is reused while its shape recurs
+    (decoding steps come in a few shapes), which spares ONNX Runtime an allocation and
+    Python the wrapping of every output; a binding that would not change is not redone.
+    Outputs taller than `rows` (prefills), or all of them with `reuse=False`, get a
+    buffer of their own."""
+
+    def __init__(self, session: ort.InferenceSession, binding: ort.IOBinding, name: str,
+                 rows: int = 64):
+        self.binding, self.name, self.rows = binding, name, rows
+        kind = next(o.type for o in session.get_outputs() if o.name == name)
+        self.dtype = ORT_TYPES[kind]  # the graph's own output type
+        self._buffers: dict[tuple[int, ...], tuple[np.ndarray, ort.OrtValue]] = {}
+        self._bound: np.ndarray | None = None
+        self._owned = False  # a fresh buffer, replaced at the next bind: read() hands it over
+        binding.bind_output(name, "cpu")  # now, so that the KV presents come after it
+
+    def bind(self, shape: tuple[int, ...], reuse: bool = True) -> None:
+        self._owned = not reuse or shape[-2] > self.rows  # [.., tokens fed, width]
+        if self._owned:
+            array = np.empty(shape, self.dtype)
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+        else:
+            if shape not in self._buffers:
+                array = np.empty(shape, self.dtype)
+                self._buffers[shape] = array, ort.OrtValue.ortvalue_from_numpy(array)
+            array, value = self._buffers[shape]
+        if array is not self._bound:
+            self._bound = array
+            self.binding.bind_ortvalue_output(self.name, value)
 
     def read(self) -> np.ndarray:
-        """The last run's logits [S, V], the caller's to keep."""
-        if self._out is None:
-            return self.binding.get_outputs()[0].numpy()[0]
-        return self._out[0].copy()
+        """The last run's value without its batch axis, the caller's to keep."""
+        out = self._bound[0]
+        return out if self._owned else out.copy()

@@ -29,8 +29,8 @@ from edgespec.bundle import ModelEntry
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.decoder import (
     STEP_INPUTS,
+    HostOutput,
     KVCache,
-    LogitsOutput,
     open_session,
     step_inputs,
 )
@@ -170,7 +170,7 @@ class Segment:
         self.binding = self.session.io_binding()
         self.logits = None
         if self.hidden_out == ["logits"]:
-            self.logits = LogitsOutput(self.binding, entry.vocab_size)
+            self.logits = HostOutput(self.session, self.binding, "logits")
         else:  # first, so that get_outputs() starts with them
             for name in self.hidden_out:
                 self.binding.bind_output(name, self.device)
@@ -273,7 +273,7 @@ class SegmentedDecoder:
             for name, value in zip(seg.hidden_in, hidden, strict=True):
                 seg.binding.bind_ortvalue_input(name, value)
             if seg.logits is not None:
-                seg.logits.bind(s)
+                seg.logits.bind((1, s, self.entry.vocab_size))
             for name in seg.hidden_out if seg.logits is None else ():
                 seg.binding.bind_output(name, seg.device)  # fresh: the shape follows S
             t0 = time.perf_counter()
