@@ -276,6 +276,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    for given in (args.target_from, args.draft_from):
+        if given is not None and not (given / "config.json").is_file():
+            ap.error(f"{given} is not a checkpoint directory (no config.json); pass the "
+                     "directory train_demo.py wrote, e.g. tools/demo_pair/target.")
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
