@@ -35,6 +35,8 @@ from edgespec.spec import (
 )
 from edgespec.spec.adaptive import STOP_RULES, GammaController
 from edgespec.spec.drafters import TrimmedModel
+from edgespec.spec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, log_softmax, token_logprob
+from edgespec.stops import StopStrings, check_stops
 from edgespec.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # offload reads graphs with onnx: imported only by bundles that need it
@@ -72,6 +74,7 @@ class GenerationConfig:
     tree_top_k: int = 3
     tree_best_first: bool = False  # SpecExec-style growth, for budgets of hundreds
     tree_lookup: int = 0  # graft this many prompt-lookup tokens as an extra branch
+    logprobs: int | None = None  # report each token's target logprob and this many others
 
     def validate(self, has_draft: bool) -> None:
         if self.mode not in MODES:
@@ -88,7 +91,11 @@ class GenerationConfig:
                   (1 <= self.draft_tokens <= 64, "draft_tokens must be between 1 and 64"),
                   (0 <= self.tree_budget <= 1024, "tree_budget must be between 0 and 1024"),
                   (1 <= self.tree_depth <= 32, "tree_depth must be between 1 and 32"),
-                  (1 <= self.tree_top_k <= 32, "tree_top_k must be between 1 and 32")]
+                  (1 <= self.tree_top_k <= 32, "tree_top_k must be between 1 and 32"),
+                  (self.seed is None or self.seed >= 0, "the seed must be >= 0"),
+                  (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+                   f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
+                  (check_stops(self.stop) is None, check_stops(self.stop))]
         for ok, message in checks:
             if not ok:
                 raise EdgespecError(f"{message}.")
@@ -119,36 +126,7 @@ class _Record:
     text: str
     stats: GenerationStats
     finish_reason: str | None = None
-
-
-class _StopStrings:
-    """Cuts the text at the first stop string, holding back any tail that might be the
-    start of one, so a stop string split across tokens never reaches the stream."""
-
-    def __init__(self, stops: list[str] | tuple[str, ...]):
-        self.stops = [s for s in stops if s]
-        self.held = ""
-        self.hit = False
-
-    def feed(self, delta: str) -> str:
-        if not self.stops:
-            return delta
-        text = self.held + delta
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit, self.held = True, ""
-            return text[:cut]
-        keep = max((k for s in self.stops for k in range(1, len(s))
-                    if text.endswith(s[:k])), default=0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
-
-    def flush(self, delta: str) -> str:
-        out = self.feed(delta)
-        if not self.hit:
-            out += self.held
-        self.held = ""
-        return out
+    logprobs: list[TokenLogprob] | None = None  # one per token, when asked for
 
 
 class Engine:
@@ -270,8 +248,19 @@ class Engine:
         config.validate(self.draft is not None)
         return config
 
+    def encode_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text, or the given ids once checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(i) for i in prompt]
+        vocab = self.manifest.target.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise EdgespecError(f"token ids must be between 0 and {vocab - 1} (this model's "
+                                "vocabulary).")
+        return ids
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.encode_ids(prompt)
         if not ids:
             raise EdgespecError("the prompt is empty after tokenization; give some text.")
         if len(ids) >= self.context_length:
@@ -342,21 +331,24 @@ class Engine:
             # the large best-first tree the planner sized, deep enough to use it (SpecExec)
             config = replace(config, tree_budget=self.plan.tree_budget, tree_best_first=True,
                              tree_depth=max(config.tree_depth, 16))
+        rows: list[np.ndarray] = []  # log-softmax of the target rows, per step
+        on_logits = ((lambda r: rows.append(log_softmax(r)))
+                     if config.logprobs is not None else None)
         if config.mode == "ar":
-            steps = ar_decode(self.target, ids, config.sampling, rng, stats)
+            steps = ar_decode(self.target, ids, config.sampling, rng, stats, on_logits)
         elif config.mode == "spec" and config.tree_budget:
             drafter = TreeDrafter(self.draft, config.tree_top_k, config.tree_depth,
                                   config.tree_best_first, config.tree_lookup)
             steps = tree_decode(self.target, drafter, ids, config.sampling, config.tree_budget,
-                                rng, stats)
+                                rng, stats, on_logits)
         else:
             drafter = (ModelDrafter(self.draft, config.stop_rule, config.stop_threshold)
                        if config.mode == "spec"
                        else LookupDrafter(self.manifest.target.vocab_size))
             controller = GammaController(config.draft_tokens) if config.adaptive else None
             steps = chain_decode(self.target, drafter, ids, config.sampling,
-                                 config.draft_tokens, rng, stats, controller)
-        stop = _StopStrings(config.stop)
+                                 config.draft_tokens, rng, stats, controller, on_logits)
+        stop = StopStrings(config.stop)
         produced: list[int] = []
         runtime0 = sum(m.run_s for m in self._sessions)
         transfer0 = self.target.transfer_s
@@ -376,6 +368,9 @@ class Engine:
                     finish = "length"
                     break
             produced += tokens
+            logprobs = ([token_logprob(row, tok, config.logprobs)
+                         for row, tok in zip(rows.pop(), tokens, strict=False)]
+                        if on_logits else None)
             stats.new_tokens = len(produced)
             stats.wall_s = time.perf_counter() - start
             stats.runtime_s = sum(m.run_s for m in self._sessions) - runtime0
@@ -386,7 +381,7 @@ class Engine:
                 text += stop.flush(detok.flush() if not stop.hit else "")
                 # every emitted token but the last has surely been fed to the target
                 self._cached = ids + produced[:-1]
-            yield _Record(tokens, text, stats, finish)
+            yield _Record(tokens, text, stats, finish, logprobs)
             if finish:
                 return
 

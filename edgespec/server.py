@@ -1,32 +1,51 @@
-"""`edgespec serve`: an OpenAI-compatible HTTP API over one engine.
+"""`edgespec serve`: an OpenAI-compatible HTTP API over one engine, and a chat page.
 
 FastAPI on uvicorn. The engine is synchronous and holds one KV cache, so requests are
 served one at a time (an asyncio lock); each generation runs in a worker thread and
 streams its records back through a queue. A client that disconnects cancels its
-generation. Errors use OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
+generation, or its place in the queue. Tokenizing runs in a thread too (a 1 MB prompt
+takes about a second), so the event loop keeps answering meanwhile. Errors use OpenAI's
+shape, {"error": {"message", "type", "param", "code"}}. Host, key and body checks are
+edgespec.http_guard's; the request schema is edgespec.openai_schema's.
+
+The KV cache is kept from one request to the next only when the new prompt begins with
+the whole previous prompt (a chat's next turn): then neither `reused_tokens` nor the
+prefill time can tell a client how much of someone else's prompt its own matches, only
+whether it repeats that prompt entirely.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import secrets
+import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.staticfiles import StaticFiles
 
 from edgespec.engine import MODES, Engine, GenerationConfig
 from edgespec.errors import EdgespecError
+from edgespec.http_guard import MAX_BODY, Guard
+from edgespec.openai_schema import ChatRequest, CompletionRequest, Sampling, UnsupportedError
+from edgespec.spec.logprobs import TokenLogprob
 
-MAX_BODY = 1 << 20  # bytes; prompts longer than this do not fit a small model's context
+log = logging.getLogger("edgespec.server")
+WEB = Path(str(files("edgespec") / "web"))
+PAGE_HEADERS = {  # the page loads nothing from anywhere else, and runs no inline script
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store"}
 
 
 class ApiError(Exception):
@@ -37,65 +56,84 @@ class ApiError(Exception):
             status, message, kind, param, code)
 
 
+class _Gone(Exception):
+    """The client left before its generation could start."""
+
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error",
                    param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param,
                                    "code": code}}, status_code=status)
 
 
-class Message(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+class Turns:
+    """One generation at a time, in arrival order; a request whose client leaves while
+    it waits gives up its place instead of running for nobody."""
+
+    def __init__(self):
+        self.lock = asyncio.Lock()
+
+    async def acquire(self, request: Request) -> None:
+        waiter = asyncio.ensure_future(self.lock.acquire())
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=0.25)
+            if done:
+                return
+            if await request.is_disconnected():
+                waiter.cancel()
+                try:
+                    await waiter
+                except asyncio.CancelledError:
+                    raise _Gone() from None
+                self.lock.release()  # it was granted just as we gave up
+                raise _Gone()
+
+    def release(self) -> None:
+        self.lock.release()
 
 
-class Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use
-
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
-    stream: bool = False
-    mode: Literal["ar", "spec", "lookup"] | None = None  # extension: the decoding mode
+def _token_text(engine: Engine, token: int) -> tuple[str, list[int]]:
+    raw = engine.tokenizer.token_bytes(token)
+    return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-class ChatRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
+def chat_logprobs(engine: Engine, entries: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """OpenAI's chat format: token, logprob, bytes, and the top alternatives."""
+    def one(token: int, logprob: float) -> dict[str, Any]:
+        text, raw = _token_text(engine, token)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+            for e in entries]
 
 
-class CompletionRequest(Sampling):
-    prompt: str
+def completion_logprobs(engine: Engine, entries: list[TokenLogprob],
+                        offset: int) -> dict[str, Any]:
+    """The legacy completions format: parallel lists, top alternatives as dicts."""
+    tokens = [_token_text(engine, e.token)[0] for e in entries]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{_token_text(engine, t)[0]: lp for t, lp in e.top}
+                             for e in entries],
+            "text_offset": offsets}
 
 
 def create_app(engine: Engine, model_id: str, api_key: str | None = None,
-               default_mode: str = "spec") -> FastAPI:
-    """The ASGI app serving `engine` under the model name `model_id`."""
-    app = FastAPI(title="edgespec", version="1")
-    lock = asyncio.Lock()
+               default_mode: str = "spec", allowed_hosts: tuple[str, ...] = (),
+               max_body: int = MAX_BODY) -> Guard:
+    """The ASGI app serving `engine` under the model name `model_id` (behind the Guard)."""
+    app = FastAPI(title="edgespec", version="1", docs_url=None, redoc_url=None)
+    turns = Turns()
     created = int(time.time())
     counts = {"served": 0, "cancelled": 0}
+    previous_prompt: list[int] = []
     if default_mode == "spec" and engine.draft is None:
         default_mode = "ar"
     if default_mode not in MODES:
         raise EdgespecError(f"unknown mode '{default_mode}'.")
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length and length.isdigit() and int(length) > MAX_BODY:
-            return error_response(413, f"request body over {MAX_BODY} bytes.",
-                                  code="body_too_large")
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "invalid or missing API key (use an "
-                                      "'Authorization: Bearer KEY' header).",
-                                      kind="authentication_error", code="invalid_api_key")
-        return await call_next(request)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -104,43 +142,73 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
-        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        loc = tuple(first.get("loc", ()))
+        where = ".".join(str(x) for x in loc[1:]) or None
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON.")
-        if tuple(first.get("loc", ())) == ("body",):
+        if loc == ("body",) and first.get("type") != "value_error":
             return error_response(400, "the request body must be a JSON object.")
-        return error_response(422, f"{where or 'body'}: {first.get('msg')}", param=where)
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        return error_response(422, f"{where}: {message}" if where else message, param=where)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail))
 
+    @app.exception_handler(Exception)
+    async def internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return error_response(500, f"internal error ({type(e).__name__}); see the server's "
+                              "log.", kind="server_error")
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> FileResponse:
+        return FileResponse(WEB / "index.html", headers=PAGE_HEADERS)
+
+    app.mount("/static", StaticFiles(directory=WEB), name="static")
+
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model_id, "device": engine.devices,
-                "busy": lock.locked(), **counts}
+                "busy": turns.lock.locked(), "draft": engine.draft is not None,
+                "default_mode": default_mode, "auth": api_key is not None, **counts}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_id, "object": "model",
                                             "created": created, "owned_by": "edgespec"}]}
 
-    def config_for(req: Sampling, prompt_tokens: int) -> GenerationConfig:
+    def config_for(req: Sampling, prompt_tokens: int, param: str,
+                   logprobs: int | None) -> GenerationConfig:
         if req.model != model_id:
             raise ApiError(404, f"model '{req.model}' is not served here; this server "
                            f"serves '{model_id}'.", param="model", code="model_not_found")
-        if req.n != 1:
-            raise ApiError(400, "only n=1 is supported.", param="n")
         room = engine.context_length - prompt_tokens
         if room < 1:
             raise ApiError(400, f"the prompt is {prompt_tokens} tokens but the model's "
-                           f"context holds {engine.context_length}.", param="messages",
+                           f"context holds {engine.context_length}.", param=param,
                            code="context_length_exceeded")
         wanted = req.max_completion_tokens or req.max_tokens or room
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        return GenerationConfig(max_new_tokens=min(wanted, room),
-                                temperature=req.temperature, top_p=req.top_p,
-                                seed=req.seed, stop=stop, mode=req.mode or default_mode)
+        config = GenerationConfig(
+            max_new_tokens=min(wanted, room),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stops(),
+            mode=req.mode or default_mode, logprobs=logprobs)
+        try:
+            config.validate(engine.draft is not None)
+        except EdgespecError as e:
+            raise ApiError(400, str(e), param="mode" if req.mode else None) from None
+        return config
+
+    async def tokenize(work: Callable[[], list[int]], param: str) -> list[int]:
+        try:
+            ids = await asyncio.to_thread(work)
+        except EdgespecError as e:
+            raise ApiError(400, str(e), param=param) from None
+        if not ids:
+            raise ApiError(400, "the prompt is empty after tokenization; give some text.",
+                           param=param)
+        return ids
 
     async def run(prompt_ids: list[int], config: GenerationConfig,
                   request: Request) -> AsyncIterator[Any]:
@@ -160,17 +228,25 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                 loop.call_soon_threadsafe(queue.put_nowait, e)
             loop.call_soon_threadsafe(queue.put_nowait, done)
 
-        async with lock:
+        try:
+            await turns.acquire(request)
+        except _Gone:
+            counts["cancelled"] += 1
+            raise
+        try:
+            if prompt_ids[:len(previous_prompt)] != previous_prompt:
+                engine.reset()  # see the module docstring: no partial reuse across clients
+            previous_prompt[:] = prompt_ids
             thread = threading.Thread(target=work, daemon=True)
             thread.start()
             checked = time.monotonic()
             try:
                 while True:
                     try:
-                        item = await asyncio.wait_for(queue.get(), timeout=0.5)
+                        item = await asyncio.wait_for(queue.get(), timeout=0.25)
                     except asyncio.TimeoutError:
                         item = None
-                    if time.monotonic() - checked > 0.5:
+                    if time.monotonic() - checked > 0.25:
                         checked = time.monotonic()
                         if await request.is_disconnected():
                             engine.cancel()
@@ -186,76 +262,122 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             finally:
                 engine.cancel()  # no-op when finished; stops a stream whose client left
                 await asyncio.to_thread(thread.join)
+        finally:
+            turns.release()
 
-    async def respond(request: Request, req: Sampling, prompt_ids: list[int], chat: bool):
-        config = config_for(req, len(prompt_ids))
+    async def respond(request: Request, req: ChatRequest | CompletionRequest,
+                      prompt_ids: list[int], chat: bool):
+        if chat:
+            top = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            top = req.logprobs
+        config = config_for(req, len(prompt_ids), "messages" if chat else "prompt", top)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         kind = "chat.completion" if chat else "text_completion"
+        offset = [0]  # completions' text_offset runs on across chunks
 
         def usage(stats) -> dict[str, Any]:
             return {"prompt_tokens": len(prompt_ids), "completion_tokens": stats.new_tokens,
                     "total_tokens": len(prompt_ids) + stats.new_tokens}
 
-        def choice(text: str | None, finish: str | None, delta: bool) -> dict[str, Any]:
+        def logprobs_of(entries: list[TokenLogprob] | None, text: str) -> Any:
+            if entries is None:
+                return None
+            if chat:
+                return {"content": chat_logprobs(engine, entries), "refusal": None}
+            out = completion_logprobs(engine, entries, offset[0])
+            offset[0] += len(text)
+            return out
+
+        def choice(text: str | None, finish: str | None, delta: bool,
+                   entries: list[TokenLogprob] | None = None) -> dict[str, Any]:
             finish = {"cancelled": "stop"}.get(finish, finish)
+            lp = logprobs_of(entries, text or "")
             if not chat:
-                return {"index": 0, "text": text or "", "logprobs": None,
-                        "finish_reason": finish}
-            body = {"role": "assistant", "content": text} if not delta else (
+                return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+            body = {"role": "assistant", "content": text, "refusal": None} if not delta else (
                 {"content": text} if text is not None else {})
-            return {"index": 0, "delta" if delta else "message": body, "finish_reason": finish}
+            return {"index": 0, "delta" if delta else "message": body, "logprobs": lp,
+                    "finish_reason": finish}
 
         if not req.stream:
-            text, record = [], None
-            async for record in run(prompt_ids, config, request):
-                text.append(record.text)
-            return {"id": rid, "object": kind, "created": int(time.time()), "model": model_id,
-                    "choices": [choice("".join(text), record.finish_reason, False)],
-                    "usage": usage(record.stats), "edgespec": record.stats.to_dict()}
-
-        async def events() -> AsyncIterator[str]:
-            def chunk(payload: dict[str, Any]) -> str:
-                return f"data: {json.dumps(payload)}\n\n"
-
-            head = {"id": rid, "object": f"{kind}.chunk" if chat else kind,
-                    "created": int(time.time()), "model": model_id}
-            if chat:
-                yield chunk({**head, "choices": [{"index": 0, "delta": {"role": "assistant"},
-                                                  "finish_reason": None}]})
+            text, entries, record = [], [], None
             try:
                 async for record in run(prompt_ids, config, request):
-                    if record.text:
-                        yield chunk({**head, "choices": [choice(record.text, None, True)]})
+                    text.append(record.text)
+                    entries += record.logprobs or []
+            except _Gone:
+                return Response(status_code=499)
+            return {"id": rid, "object": kind, "created": int(time.time()), "model": model_id,
+                    "choices": [choice("".join(text), record.finish_reason, False,
+                                       entries if top is not None else None)],
+                    "usage": usage(record.stats), "edgespec": record.stats.to_dict()}
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            head = {"id": rid, "object": f"{kind}.chunk" if chat else kind,
+                    "created": int(time.time()), "model": model_id}
+            if include_usage:
+                head["usage"] = None  # as OpenAI: null on every chunk but the last
+
+            def chunk(payload: dict[str, Any]) -> str:
+                return f"data: {json.dumps({**head, **payload})}\n\n"
+
+            if chat:
+                yield chunk({"choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                "content": ""},
+                                          "logprobs": None, "finish_reason": None}]})
+            try:
+                async for record in run(prompt_ids, config, request):
+                    if record.text or record.logprobs:
+                        yield chunk({"choices": [choice(record.text, None, True,
+                                                        record.logprobs)]})
                     if record.finish_reason:
-                        yield chunk({**head, "choices": [choice(None, record.finish_reason,
-                                                                True)],
-                                     "usage": usage(record.stats),
+                        yield chunk({"choices": [choice(None, record.finish_reason, True)],
                                      "edgespec": record.stats.to_dict()})
+                        if include_usage:
+                            yield chunk({"choices": [], "usage": usage(record.stats)})
+            except _Gone:
+                return
             except ApiError as e:
-                yield chunk({"error": {"message": e.message, "type": e.kind}})
+                yield f"data: {json.dumps({'error': {'message': e.message, 'type': e.kind}})}\n\n"
+            except Exception as e:  # the stream has begun: report it in-band, then end it
+                log.exception("generation failed")
+                error = {"message": f"internal error ({type(e).__name__}); see the server's "
+                                    "log.", "type": "server_error"}
+                yield f"data: {json.dumps({'error': error})}\n\n"
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"})
+
+    def checked(req: ChatRequest | CompletionRequest) -> None:
+        try:
+            req.unsupported()
+        except UnsupportedError as e:
+            raise ApiError(400, str(e), param=e.param, code="unsupported") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        try:
-            ids = engine.tokenizer.encode_chat([m.model_dump() for m in req.messages])
-        except EdgespecError as e:
-            raise ApiError(400, str(e), param="messages") from None
+        checked(req)
+        conversation = req.conversation()
+        ids = await tokenize(lambda: engine.tokenizer.encode_chat(conversation), "messages")
         return await respond(request, req, ids, chat=True)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        ids = engine.tokenizer.encode(req.prompt)
+        checked(req)
+        prompt = req.single_prompt()
+        ids = await tokenize(lambda: engine.encode_ids(prompt), "prompt")
         return await respond(request, req, ids, chat=False)
 
-    return app
+    return Guard(app, api_key, allowed_hosts, max_body)
 
 
-def serve(engine: Engine, model_id: str, host: str, port: int,
-          api_key: str | None = None) -> None:
+def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | None = None,
+          allowed_hosts: tuple[str, ...] = ()) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_id, api_key), host=host, port=port,
-                log_level="info")
+    uvicorn.run(create_app(engine, model_id, api_key, allowed_hosts=allowed_hosts),
+                host=host, port=port, log_level="info", server_header=False)

@@ -8,6 +8,7 @@ Hugging Face does it (sandboxed environment, trim_blocks/lstrip_blocks, `raise_e
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from datetime import datetime
 from functools import cached_property
@@ -32,6 +33,33 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (each byte has a printable stand-in)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTES = _byte_decoder()
+
+
+def check_text(text: str) -> None:
+    """Python strings can hold lone surrogates (a JSON "\\ud800", undecodable argv bytes);
+    they are not Unicode text and nothing downstream can encode them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EdgespecError(f"the text is not valid Unicode (a lone surrogate at character "
+                            f"{e.start}); send UTF-8 text.") from None
+
+
 class Tokenizer:
     """Text <-> token ids for one bundle, plus its chat template."""
 
@@ -53,7 +81,14 @@ class Tokenizer:
     def from_dir(cls, path: Path | str) -> Tokenizer:
         path = Path(path)
         config_path = path / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise EdgespecError(f"{config_path} is not valid JSON ({e}); re-export the "
+                                "bundle.") from None
+        if not isinstance(config, dict):
+            raise EdgespecError(f"{config_path} must hold a JSON object; re-export the "
+                                "bundle.")
         template_file = path / "chat_template.jinja"
         if "chat_template" not in config and template_file.is_file():
             config["chat_template"] = template_file.read_text()
@@ -68,7 +103,46 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids for `text`; special tokens (BOS) as the tokenizer's post-processor adds them."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encode(self._tok, text, add_special_tokens).ids
+
+    @staticmethod
+    def _encode(tok: _HFTokenizer, text: str, add_special_tokens: bool):
+        """`encode_batch` of one text: unlike `encode`, it releases the GIL (a 1 MB prompt
+        held it for over a second, stalling a server's event loop)."""
+        check_text(text)
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    @cached_property
+    def _special(self) -> dict[int, str]:
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
+                if t.special}
+
+    @cached_property
+    def _added(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
+    @cached_property
+    def _plain(self) -> _HFTokenizer:
+        """A twin that reads special tokens' text as ordinary text."""
+        tok = _HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        return '"ByteLevel"' in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a multi-byte character may span several)."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added:
+            return piece.encode()
+        if self._byte_level:
+            return bytes(_BYTES[c] for c in piece if c in _BYTES)
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # SentencePiece byte fallback
+        return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode()
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -98,9 +172,42 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]],
                     add_generation_prompt: bool = True) -> list[int]:
-        """Templates write BOS themselves, so the rendered text is encoded without it."""
+        """Templates write BOS themselves, so the rendered text is encoded without it.
+
+        A special token spelled inside a message's content (`<|im_end|>` then
+        `<|im_start|>system`) is encoded as the plain text it is, so a user cannot forge
+        turns: only the template itself writes control tokens."""
         text = self.apply_chat_template(messages, add_generation_prompt)
-        return self.encode(text, add_special_tokens=False)
+        encoding = self._encode(self._tok, text, False)
+        spans = self._content_spans(text, messages)
+        ids: list[int] = []
+        for token, (a, b) in zip(encoding.ids, encoding.offsets, strict=True):
+            if token in self._special and any(s <= a and b <= e for s, e in spans):
+                ids += self._encode(self._plain, text[a:b], False).ids
+            else:
+                ids.append(token)
+        return ids
+
+    def _content_spans(self, text: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
+        """Where each message's content lies in the rendered text, found in order; a
+        content the template changed (trimmed, say) and that spells a special token is
+        refused, since it could not be told apart from the template's own tokens."""
+        spans, cursor = [], 0
+        for n, message in enumerate(messages):
+            content = message.get("content")
+            if not isinstance(content, str) or not content:
+                continue
+            start = text.find(content, cursor)
+            if start >= 0:
+                spans.append((start, start + len(content)))
+                cursor = start + len(content)
+                continue
+            forged = next((t for t in self._special.values() if t in content), None)
+            if forged:
+                raise EdgespecError(f"message {n} contains the special token {forged!r}, "
+                                    "which this chat template would read as a control "
+                                    "token; remove it.")
+        return spans
 
     def detokenizer(self, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)

@@ -5,13 +5,15 @@ cached prefix, a `cache` with `length` and `trim(n)`, and `max_len` (drafters.Mo
 The ONNX sessions are one such model; the tests' toy Markov models are another, which is
 how these loops are checked statistically without ONNX Runtime.
 
-Each loop is a generator yielding the tokens one target pass committed.
+Each loop is a generator yielding the tokens one target pass committed. With `on_logits`,
+it first hands over the target's logit rows that decided them ([len(tokens), V], one row
+per token, read before the next pass reuses the buffer): what OpenAI's `logprobs` report.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -22,9 +24,11 @@ from edgespec.spec.sampling import SamplingParams, sample
 from edgespec.spec.stats import GenerationStats
 from edgespec.spec.tree import verify_tree
 
+LogitsSink = Callable[[np.ndarray], None]
+
 
 def prefill(target: Model, ids: list[int], params: SamplingParams, rng: np.random.Generator,
-            stats: GenerationStats) -> int:
+            stats: GenerationStats, on_logits: LogitsSink | None = None) -> int:
     """Feed the prompt and draw the first token. The caller decides how much of `ids`
     the target's cache already holds (a previous chat turn): only the rest is fed."""
     t0 = time.perf_counter()
@@ -33,25 +37,31 @@ def prefill(target: Model, ids: list[int], params: SamplingParams, rng: np.rando
     logits = target.forward(ids[held:])
     stats.target_passes += 1
     stats.prefill_s = time.perf_counter() - t0
+    if on_logits:
+        on_logits(logits[-1:])
     return sample(logits[-1], params, rng)
 
 
 def ar_decode(target: Model, ids: list[int], params: SamplingParams, rng: np.random.Generator,
-              stats: GenerationStats) -> Iterator[list[int]]:
+              stats: GenerationStats, on_logits: LogitsSink | None = None
+              ) -> Iterator[list[int]]:
     """The reference: one target pass per token."""
-    tok = prefill(target, ids, params, rng, stats)
+    tok = prefill(target, ids, params, rng, stats, on_logits)
     while True:
         yield [tok]
         t0 = time.perf_counter()
         logits = target.forward([tok])
         stats.verify_s += time.perf_counter() - t0
         stats.target_passes += 1
+        if on_logits:
+            on_logits(logits[-1:])
         tok = sample(logits[-1], params, rng)
 
 
 def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: SamplingParams,
                  gamma: int, rng: np.random.Generator, stats: GenerationStats,
-                 controller: GammaController | None = None) -> Iterator[list[int]]:
+                 controller: GammaController | None = None,
+                 on_logits: LogitsSink | None = None) -> Iterator[list[int]]:
     """Draft up to γ tokens, verify them in one target pass, keep the accepted prefix + 1.
 
     Invariant between steps: `tokens` is everything committed; every cache holds a
@@ -60,7 +70,7 @@ def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: Sampli
     `controller`, γ is chosen per pass (up to `gamma`) from measured acceptance and costs.
     """
     drafter.reset()
-    tokens = [*ids, prefill(target, ids, params, rng, stats)]
+    tokens = [*ids, prefill(target, ids, params, rng, stats, on_logits)]
     yield tokens[-1:]
     while True:
         g = controller.gamma() if controller else gamma
@@ -70,7 +80,10 @@ def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: Sampli
         t1 = time.perf_counter()
         logits = target.forward(tokens[target.cache.length:] + proposals)
         stats.target_passes += 1
-        n, nxt = verify_chain(logits[-(len(proposals) + 1):], proposals, q, params, rng)
+        rows = logits[-(len(proposals) + 1):]
+        n, nxt = verify_chain(rows, proposals, q, params, rng)
+        if on_logits:
+            on_logits(rows[:n + 1])
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
@@ -86,8 +99,8 @@ def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: Sampli
 
 
 def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: SamplingParams,
-                budget: int, rng: np.random.Generator,
-                stats: GenerationStats) -> Iterator[list[int]]:
+                budget: int, rng: np.random.Generator, stats: GenerationStats,
+                on_logits: LogitsSink | None = None) -> Iterator[list[int]]:
     """Grow a draft tree, verify it in one target pass, keep the accepted path + one.
 
     The verify pass writes the root and every node into the target's cache; the
@@ -95,7 +108,7 @@ def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: Sam
     again holds exactly the committed tokens but the last.
     """
     drafter.reset()
-    tokens = [*ids, prefill(target, ids, params, rng, stats)]
+    tokens = [*ids, prefill(target, ids, params, rng, stats, on_logits)]
     yield tokens[-1:]
     while True:
         t0 = time.perf_counter()
@@ -106,6 +119,8 @@ def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: Sam
         logits = target.forward(*tree.verify_inputs(tokens[-1], past))
         stats.target_passes += 1
         path, nxt = verify_tree(logits, tree, params, rng)
+        if on_logits:  # row 0 decided the first token, row 1 + node the one after node
+            on_logits(logits[[0, *(1 + node for node in path)]])
         target.cache.compact(past + 1, [past + 1 + node for node in path])
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1

@@ -39,8 +39,10 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.top_p < 1.0:
         order = np.argsort(-probs, axis=-1, kind="stable")
         sorted_p = np.take_along_axis(probs, order, axis=-1)
-        # keep a token if the mass strictly before it is < top_p (so at least one survives)
+        # keep a token if the mass strictly before it is < top_p; the most likely token
+        # always survives, also when top_p rounds to 0 in float32 (below ~1.4e-45)
         keep_sorted = (np.cumsum(sorted_p, axis=-1) - sorted_p) < params.top_p
+        keep_sorted[..., 0] = True
         keep = np.zeros_like(keep_sorted)
         np.put_along_axis(keep, order, keep_sorted, axis=-1)
         probs = np.where(keep, probs, 0.0)
