@@ -22,10 +22,11 @@ from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
 from edgespec.export.checkpoint import load_checkpoint
-from edgespec.export.graph import build_decoder
+from edgespec.export.graph import build_decoder, padded_head_dim, rows_of
 from edgespec.export.hub import resolve_checkpoint
 from edgespec.export.kv_quant import calibrate_target, kv_scales
 from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
+from edgespec.quant.blockwise import QuantizedWeight
 from edgespec.quant.vocab_trim import kept_tokens
 from edgespec.tokenizer import Tokenizer
 
@@ -88,7 +89,7 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
                     description=f"{role}: building {precision} graph")
     head = adapter.lm_head()
     if head_rows is not None:
-        head = head[head_rows]
+        head = head.rows(head_rows) if isinstance(head, QuantizedWeight) else head[head_rows]
     model = build_decoder(spec, adapter.embeddings(), adapter.layers(), adapter.final_norm(),
                           head, precision, block_size, accuracy_level,
                           dtype=PROFILE_DTYPE[ep_profile], attention=attention,
@@ -109,8 +110,9 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
         block_size=None if precision in ("fp32", "fp16") else block_size,
         kv_dtype="int8" if kv_scales is not None else np.dtype(PROFILE_DTYPE[ep_profile]).name,
         compute_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
-        vocab_size=int(head.shape[0]), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
-        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        vocab_size=rows_of(head), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+        num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
+        head_dim=padded_head_dim(spec.head_dim) if attention == "gqa" else spec.head_dim,
         max_positions=spec.max_positions, params=params, source=str(ckpt_dir),
         nested="target" if nested == "shared" else "")
 

@@ -19,6 +19,11 @@ import numpy as np
 
 from edgespec.errors import EdgespecError
 from edgespec.export.checkpoint import Checkpoint
+from edgespec.quant.blockwise import QuantizedWeight
+
+# a linear weight: float [out, in], an exact imported encoding, or parts that could not be
+# fused into one matmul (imported q/k/v of different GGUF types)
+Weight = np.ndarray | QuantizedWeight
 
 
 @dataclass
@@ -41,16 +46,17 @@ class DecoderSpec:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     sliding_window: list[int | None] = field(default_factory=list)  # per layer
+    local_inv_freq: np.ndarray | None = None  # Gemma 3: sliding layers' own RoPE
 
 
 @dataclass
 class LayerWeights:
     """Linear weights in the Hugging Face [out, in] layout, already fused where possible."""
 
-    qkv: np.ndarray  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: np.ndarray
-    gate_up: np.ndarray  # [2 * intermediate, hidden]: gate rows first
-    down: np.ndarray
+    qkv: Weight | list[Weight]  # [(heads + 2 * kv_heads) * head_dim, hidden], or [q, k, v]
+    o: Weight
+    gate_up: Weight | list[Weight]  # [2 * intermediate, hidden]: gate rows first, or [gate, up]
+    down: Weight
     input_norm: np.ndarray
     mlp_norm: np.ndarray  # the norm in front of the MLP
     qkv_bias: np.ndarray | None = None
@@ -60,19 +66,50 @@ class LayerWeights:
     mlp_out_norm: np.ndarray | None = None
 
 
-def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 keeps RoPE settings in `rope_parameters`; older configs split them
-    into `rope_theta` and `rope_scaling`. One dict either way."""
+def fuse(parts: list[Weight]) -> Weight | list[Weight]:
+    """Row-stacked parts as one weight (one matmul) where they share an encoding; imported
+    parts of different kinds stay a list, each its own matmul."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts)
+    if not all(isinstance(p, QuantizedWeight) for p in parts):
+        return parts
+    first = parts[0]
+
+    def layout(q: QuantizedWeight) -> tuple:
+        stored = {k: tuple(a.shape[1:] + (a.dtype,) for a in v)
+                  for k, v in (q.stored or {}).items()}
+        return q.bits, q.block_size, q.k, q.mins is None, stored
+
+    if any(layout(p) != layout(first) for p in parts):
+        return parts
+    join = np.concatenate
+    return QuantizedWeight(
+        packed=join([p.packed for p in parts]), scales=join([p.scales for p in parts]),
+        zero_points=join([p.zero_points for p in parts]), bits=first.bits,
+        block_size=first.block_size, n=sum(p.n for p in parts), k=first.k,
+        symmetric=all(p.symmetric for p in parts),
+        mins=None if first.mins is None else join([p.mins for p in parts]),
+        stored={k: tuple(join([p.stored[k][i] for p in parts]) for i in range(len(v)))
+                for k, v in first.stored.items()} if first.stored else None)
+
+
+def rope_parameters(config: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:
+    """transformers 5 keeps RoPE settings in `rope_parameters` (per layer type for Gemma 3);
+    older configs split them into `rope_theta` and `rope_scaling`. One dict either way."""
     params = dict(config.get("rope_parameters") or {})
+    if layer_type in params:
+        params = dict(params[layer_type])
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-    params.update(config.get("rope_scaling") or {})
+    if layer_type == "full_attention":  # Gemma 3 scales its global layers only
+        params.update(config.get("rope_scaling") or {})
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     return params
 
 
-def inverse_frequencies(config: dict[str, Any], head_dim: int, path: Any) -> np.ndarray:
-    rope = rope_parameters(config)
+def inverse_frequencies(config: dict[str, Any], head_dim: int, path: Any,
+                        layer_type: str = "full_attention") -> np.ndarray:
+    rope = rope_parameters(config, layer_type)
     dim = int(head_dim * rope["partial_rotary_factor"])
     inv = 1.0 / rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     kind = rope["rope_type"]
@@ -111,6 +148,8 @@ class LlamaAdapter:
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             inv_freq=inverse_frequencies(c, head_dim, ckpt.path),
             sliding_window=self.sliding_windows(c))
+        if ckpt.rope_factors is not None:  # a GGUF's precomputed Llama 3 RoPE divisors
+            self.spec.inv_freq = self.spec.inv_freq / ckpt.rope_factors
         act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise EdgespecError(f"{ckpt.path}: activation '{act}' is not supported yet.")
@@ -134,29 +173,32 @@ class LlamaAdapter:
     def get(self, name: str) -> np.ndarray:
         return self.ckpt.get(name)
 
-    def embeddings(self) -> np.ndarray:
-        return self.get("model.embed_tokens.weight")
+    def linear(self, name: str) -> Weight:
+        return self.ckpt.linear(name)
+
+    def embeddings(self) -> Weight:
+        return self.linear("model.embed_tokens.weight")
 
     def norm(self, name: str) -> np.ndarray:
         return self.get(name)
 
-    def attention(self, p: str) -> tuple[np.ndarray, np.ndarray | None]:
+    def attention(self, p: str) -> tuple[Weight | list[Weight], np.ndarray | None]:
         """The fused [q; k; v] weight and, where the model has them, its biases."""
-        w = np.concatenate([self.get(f"{p}self_attn.{x}_proj.weight") for x in "qkv"])
+        w = fuse([self.linear(f"{p}self_attn.{x}_proj.weight") for x in "qkv"])
         if not self.has_qkv_bias:
             return w, None
         return w, np.concatenate([self.get(f"{p}self_attn.{x}_proj.bias") for x in "qkv"])
 
-    def gate_up(self, p: str) -> np.ndarray:
-        return np.concatenate([self.get(f"{p}mlp.gate_proj.weight"),
-                               self.get(f"{p}mlp.up_proj.weight")])
+    def gate_up(self, p: str) -> Weight | list[Weight]:
+        return fuse([self.linear(f"{p}mlp.gate_proj.weight"),
+                     self.linear(f"{p}mlp.up_proj.weight")])
 
     def layer(self, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         qkv, bias = self.attention(p)
         return LayerWeights(
-            qkv=qkv, qkv_bias=bias, o=self.get(p + "self_attn.o_proj.weight"),
-            gate_up=self.gate_up(p), down=self.get(p + "mlp.down_proj.weight"),
+            qkv=qkv, qkv_bias=bias, o=self.linear(p + "self_attn.o_proj.weight"),
+            gate_up=self.gate_up(p), down=self.linear(p + "mlp.down_proj.weight"),
             input_norm=self.norm(p + "input_layernorm.weight"),
             mlp_norm=self.norm(p + "post_attention_layernorm.weight"))
 
@@ -167,10 +209,10 @@ class LlamaAdapter:
     def final_norm(self) -> np.ndarray:
         return self.norm("model.norm.weight")
 
-    def lm_head(self) -> np.ndarray:
+    def lm_head(self) -> Weight:
         if self.spec.tie_embeddings or not self.ckpt.has("lm_head.weight"):
-            return self.get("model.embed_tokens.weight")
-        return self.get("lm_head.weight")
+            return self.embeddings()
+        return self.linear("lm_head.weight")
 
 
 class Qwen2Adapter(LlamaAdapter):
@@ -192,11 +234,11 @@ class Qwen3Adapter(LlamaAdapter):
 class Phi3Adapter(LlamaAdapter):
     """Phi-3 / 3.5: q/k/v and gate/up already fused in the checkpoint (gate first)."""
 
-    def attention(self, p: str) -> tuple[np.ndarray, np.ndarray | None]:
-        return self.get(f"{p}self_attn.qkv_proj.weight"), None
+    def attention(self, p: str) -> tuple[Weight, np.ndarray | None]:
+        return self.linear(f"{p}self_attn.qkv_proj.weight"), None
 
-    def gate_up(self, p: str) -> np.ndarray:
-        return self.get(f"{p}mlp.gate_up_proj.weight")
+    def gate_up(self, p: str) -> Weight:
+        return self.linear(f"{p}mlp.gate_up_proj.weight")
 
 
 class GemmaAdapter(LlamaAdapter):
@@ -207,7 +249,8 @@ class GemmaAdapter(LlamaAdapter):
         self.spec.embed_scale = math.sqrt(self.spec.hidden_size)
 
     def norm(self, name: str) -> np.ndarray:
-        return 1.0 + self.get(name)
+        """(1 + w); llama.cpp's converter already stored 1 + w in GGUF files."""
+        return self.get(name) if self.ckpt.norms_shifted else 1.0 + self.get(name)
 
 
 class Gemma2Adapter(GemmaAdapter):
@@ -233,6 +276,30 @@ class Gemma2Adapter(GemmaAdapter):
         return lw
 
 
+class Gemma3Adapter(Gemma2Adapter):
+    """Gemma 3: Gemma-2's layer with q/k norms (Gemma-style 1 + w), sliding layers with
+    RoPE of their own base (10k) between global ones (1M, possibly scaled), no softcaps."""
+
+    def __init__(self, ckpt: Checkpoint):
+        super().__init__(ckpt)
+        c = ckpt.config
+        if "rope_local_base_freq" in c:  # transformers 4 configs
+            local = {"rope_theta": c["rope_local_base_freq"], "rope_type": "default"}
+            c = {**c, "rope_parameters": {"sliding_attention": local}}
+        self.spec.local_inv_freq = inverse_frequencies(c, self.spec.head_dim, ckpt.path,
+                                                       "sliding_attention")
+        if c.get("layer_types") is None and c.get("sliding_window"):  # older configs
+            every = c.get("sliding_window_pattern", 6)
+            self.spec.sliding_window = [None if (i + 1) % every == 0 else c["sliding_window"]
+                                        for i in range(self.spec.num_layers)]
+
+    def layer(self, i: int) -> LayerWeights:
+        lw = super().layer(i)
+        p = f"model.layers.{i}.self_attn."
+        lw.q_norm, lw.k_norm = self.norm(p + "q_norm.weight"), self.norm(p + "k_norm.weight")
+        return lw
+
+
 ADAPTERS: dict[str, type[LlamaAdapter]] = {
     "LlamaForCausalLM": LlamaAdapter,
     "MistralForCausalLM": LlamaAdapter,
@@ -241,6 +308,7 @@ ADAPTERS: dict[str, type[LlamaAdapter]] = {
     "Phi3ForCausalLM": Phi3Adapter,
     "GemmaForCausalLM": GemmaAdapter,
     "Gemma2ForCausalLM": Gemma2Adapter,
+    "Gemma3ForCausalLM": Gemma3Adapter,
 }
 
 

@@ -68,6 +68,15 @@ class Checkpoint:
     path: Path
     config: dict[str, Any]
     tensors: dict[str, np.ndarray]
+    # what a GGUF import (export.gguf_reader) sets otherwise: Gemma norms already 1 + w,
+    # and Llama 3.1's RoPE divisors given as a tensor rather than as config values
+    norms_shifted = False
+    rope_factors: np.ndarray | None = None
+
+    def linear(self, name: str) -> np.ndarray | Any:
+        """A linear layer's weight: float32 here, an exact quantized encoding where the
+        source holds one (GGUF)."""
+        return self.get(name)
 
     def get(self, name: str) -> np.ndarray:
         """A tensor as float32 (the exporter's working precision).

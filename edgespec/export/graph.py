@@ -21,20 +21,29 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from edgespec.export.architectures import DecoderSpec, LayerWeights
+from edgespec.export import exact_attention
+from edgespec.export.architectures import DecoderSpec, LayerWeights, Weight
 from edgespec.quant.bitnest import NestedWeight, nest
-from edgespec.quant.blockwise import QuantizedWeight, quantize_blockwise
+from edgespec.quant.blockwise import QuantizedWeight, dequantize, quantize_blockwise
 
 OPSET = 21
 MS = "com.microsoft"
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
-def rope_cache(spec: DecoderSpec) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin [max_positions, rotary_dim/2] for the half-split (rotate_half) layout; a
-    rotary_dim below head_dim is partial rotary, which GQA reads off the cache width."""
-    angles = np.outer(np.arange(spec.max_positions, dtype=np.float64), spec.inv_freq)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+def rows_of(weight: Weight) -> int:
+    return weight.n if isinstance(weight, QuantizedWeight) else int(weight.shape[0])
+
+
+def as_float(weight: Weight) -> np.ndarray:
+    """An imported encoding's float values, for the paths that quantize anew (BitNest)."""
+    return dequantize(weight) if isinstance(weight, QuantizedWeight) else weight
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """GroupQueryAttention's CPU kernel wants head sizes in multiples of 16: other heads
+    are zero-padded (q·k and the attended values do not change; the pad is cut off)."""
+    return -(-head_dim // 16) * 16
 
 
 class GraphBuilder:
@@ -58,6 +67,7 @@ class GraphBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self._consts: set[str] = set()
+        self._once: dict[str, str] = {}  # tensors computed once per graph (see once)
         self.gate: tuple[str, str] = ("", "")  # BitNest: see gate_residuals
 
     def const(self, name: str, array: np.ndarray) -> str:
@@ -78,11 +88,17 @@ class GraphBuilder:
                                            domain=domain, **attrs))
         return outputs
 
-    def linear(self, x: str, weight: np.ndarray, name: str, bits: int | None = None,
-               whole_nest: bool = False) -> str:
+    def linear(self, x: str, weight: Weight, name: str, bits: int | None = None,
+               whole_nest: bool = False, store: str | None = None) -> str:
         """y = x @ weight.T, weight in the [out, in] layout. In a BitNest graph every
         weight is nested; `whole_nest` has the draft read both nibbles too (the LM head:
-        as in every int4 export, a 4-bit head costs more acceptance than it saves)."""
+        as in every int4 export, a 4-bit head costs more acceptance than it saves).
+        An imported encoding (GGUF) is used as it is, under the constant names `store`
+        (a tied embedding and head share them)."""
+        if isinstance(weight, QuantizedWeight):
+            if not self.nested:
+                return self._nbits(x, weight, name, store)
+            weight = dequantize(weight)
         if self.nested:
             nw = nest(weight, self.block_size)
             if whole_nest:  # both models read both nibbles: one 8-bit plane serves both
@@ -155,14 +171,130 @@ class GraphBuilder:
                          ["gate.pads"], "gate.pads", axis=0)[0]
         self.gate = (rows, pads)
 
-    def _nbits(self, x: str, q: QuantizedWeight, name: str) -> str:
-        inputs = [x, self.const(f"{name}.qweight", q.packed),
-                  self.fconst(f"{name}.scales", q.scales)]
+    def once(self, key: str, make: Callable[[], str]) -> str:
+        """The tensor `make` builds, built the first time `key` is asked for only (several
+        consumers of one scale table, one RoPE position range)."""
+        if key not in self._once:
+            self._once[key] = make()
+        return self._once[key]
+
+    def linear_parts(self, x: str, weight: Weight | list[Weight], name: str) -> list[str]:
+        """One output per part: a fused weight gives one, unfusable imported parts
+        (q, k and v of different GGUF types) one each."""
+        if isinstance(weight, list):
+            return [self.linear(x, w, f"{name}{i}") for i, w in enumerate(weight)]
+        return [self.linear(x, weight, name)]
+
+    def rebuilt(self, store: str, kind: str, q: QuantizedWeight) -> str:
+        """`q.scales` or `q.mins` (float32, [N * n_blocks]) as a tensor of the compute
+        dtype. Where the source says how it stores them (GGUF: float16, or float16 times
+        small integers), those are the constants and the float32 values are computed at
+        session load (ONNX Runtime folds constant subgraphs), exactly, as gguf-py does."""
+        return self.once(f"{store}.{kind}", lambda: self._rebuild(f"{store}.{kind}", kind, q))
+
+    def _rebuild(self, key: str, kind: str, q: QuantizedWeight) -> str:
+        parts = (q.stored or {}).get(kind)
+        if parts is None:
+            out = self.fconst(key, getattr(q, kind))
+        else:
+            factors = [self.node("Cast", [self.const(f"{key}.{i}", p)], [f"{key}.{i}.f"],
+                                 f"{key}.{i}.cast", to=TensorProto.FLOAT)[0]
+                       for i, p in enumerate(parts)]
+            out = factors[0]
+            for i, f in enumerate(factors[1:]):
+                out = self.node("Mul", [out, f], [f"{key}.mul{i}"], f"{key}.mul{i}")[0]
+            out = self.node("Reshape", [out, self.const("i64.flat", np.array([-1], np.int64))],
+                            [f"{key}.flat"], f"{key}.flat")[0]
+            if self.dtype != np.float32:
+                out = self.node("Cast", [out], [f"{key}.c"], f"{key}.c", to=self.onnx_dtype)[0]
+        return out
+
+    def _nbits(self, x: str, q: QuantizedWeight, name: str, store: str | None = None) -> str:
+        store = store or name
+        inputs = [x, self.const(f"{store}.qweight", q.packed), self.rebuilt(store, "scales", q)]
         if self.zero_points or not q.symmetric:
-            inputs.append(self.const(f"{name}.zp", q.packed_zero_points()))
-        return self.node("MatMulNBits", inputs, [f"{name}.out"], name, domain=MS,
-                         K=q.k, N=q.n, bits=q.bits, block_size=self.block_size,
-                         accuracy_level=self.accuracy_level)[0]
+            inputs.append(self.const(f"{store}.zp", q.packed_zero_points()))
+        y = self.node("MatMulNBits", inputs, [f"{name}.out"], name, domain=MS,
+                      K=q.k, N=q.n, bits=q.bits, block_size=q.block_size,
+                      accuracy_level=self.accuracy_level)[0]
+        if q.mins is None:
+            return y
+        # w = q·s + m per block: x·w = MatMulNBits(x) + (block sums of x) · mᵀ
+        nb = q.packed.shape[1]
+        blocks = self.node("Reshape", [x, self.const(f"blocks.{nb}x{q.block_size}", np.array(
+            [1, -1, nb, q.block_size], np.int64))], [f"{name}.xb"], f"{name}.xb")[0]
+        sums = self.node("ReduceSum", [blocks, self.const("i64.last", np.array([-1], np.int64))],
+                         [f"{name}.xsum"], f"{name}.xsum", keepdims=0)[0]
+        mins = self.rebuilt(store, "mins", q)
+
+        def transposed() -> str:  # [N * nb] -> [nb, N]
+            grid = self.node("Reshape", [mins, self.const(f"{store}.mins.shape", np.array(
+                [q.n, nb], np.int64))], [f"{store}.mins.grid"], f"{store}.mins.grid")[0]
+            return self.node("Transpose", [grid], [f"{store}.mins.t"], f"{store}.mins.t",
+                             perm=[1, 0])[0]
+
+        offset = self.node("MatMul", [sums, self.once(f"{store}.mins.t", transposed)],
+                           [f"{name}.min"], f"{name}.min")[0]
+        return self.node("Add", [y, offset], [f"{name}.out.m"], f"{name}.addmin")[0]
+
+    def gather_rows(self, q: QuantizedWeight, ids: str, store: str) -> str:
+        """Embedding rows straight from a quantized table (the tied LM head's own codes,
+        stored once): S rows gathered, unpacked and dequantized, ((u - z) · s + m) as
+        `dequantize` computes it."""
+        nb, block = q.packed.shape[1], q.block_size
+        codes = self.node("Gather", [self.const(f"{store}.qweight", q.packed), ids],
+                          [f"{store}.rows"], f"{store}.rows")[0]  # [1, S, nb, bytes]
+        if q.bits < 8:
+            shifts = self.const(f"shifts.{q.bits}", np.arange(0, 8, q.bits, dtype=np.uint8))
+            mask = self.const(f"mask.{q.bits}", np.array(2 ** q.bits - 1, np.uint8))
+            wide = self.node("Unsqueeze", [codes, self.const("i64.last", np.array(
+                [-1], np.int64))], [f"{store}.rows.w"], f"{store}.rows.w")[0]
+            shifted = self.node("BitShift", [wide, shifts], [f"{store}.rows.s"],
+                                f"{store}.rows.s", direction="RIGHT")[0]
+            codes = self.node("BitwiseAnd", [shifted, mask], [f"{store}.rows.m"],
+                              f"{store}.rows.m")[0]
+        grid = self.const(f"blocks.{nb}x{block}", np.array([1, -1, nb, block], np.int64))
+        codes = self.node("Reshape", [codes, grid], [f"{store}.rows.g"], f"{store}.rows.g")[0]
+        w = self.node("Cast", [codes], [f"{store}.rows.f"], f"{store}.rows.f",
+                      to=TensorProto.FLOAT)[0]
+        if np.all(q.zero_points == q.zero_points.flat[0]):
+            zero = self.const(f"{store}.zp0", np.array(q.zero_points.flat[0], np.float32))
+        else:
+            zero = self.node("Cast", [self.node("Gather", [self.const(
+                f"{store}.zp.rows", q.zero_points), ids], [f"{store}.zpr"], f"{store}.zpr")[0]],
+                [f"{store}.zprf"], f"{store}.zprf", to=TensorProto.FLOAT)[0]
+            zero = self.node("Unsqueeze", [zero, self.const("i64.last", np.array(
+                [-1], np.int64))], [f"{store}.zpru"], f"{store}.zpru")[0]
+        w = self.node("Sub", [w, zero], [f"{store}.rows.c"], f"{store}.rows.c")[0]
+        flat = self.node("Add", [self.node("Mul", [self.node("Unsqueeze", [ids, self.const(
+            "i64.last", np.array([-1], np.int64))], [f"{store}.ids"], f"{store}.ids")[0],
+            self.const(f"nb.{nb}", np.array(nb, np.int64))], [f"{store}.ids.nb"],
+            f"{store}.ids.nb")[0], self.const(f"range.{nb}", np.arange(nb, dtype=np.int64))],
+            [f"{store}.blocks"], f"{store}.blocks")[0]  # [1, S, nb]: rows' block indices
+
+        def per_block(kind: str) -> str:
+            values = self.rebuilt(store, kind, q)
+            if self.dtype != np.float32:  # gathered in float32, like the codes
+                values = self.node("Cast", [values], [f"{store}.{kind}.f32"],
+                                   f"{store}.{kind}.f32", to=TensorProto.FLOAT)[0]
+            got = self.node("Gather", [values, flat], [f"{store}.{kind}.rows"],
+                            f"{store}.{kind}.rows")[0]
+            return self.node("Unsqueeze", [got, self.const("i64.last", np.array(
+                [-1], np.int64))], [f"{store}.{kind}.u"], f"{store}.{kind}.u")[0]
+
+        w = self.node("Mul", [w, per_block("scales")], [f"{store}.rows.d"], f"{store}.rows.d")[0]
+        if q.mins is not None:
+            w = self.node("Add", [w, per_block("mins")], [f"{store}.rows.m2"],
+                          f"{store}.rows.m2")[0]
+        out = self.node("Reshape", [w, self.const("rows.shape", np.array([1, -1, nb * block],
+                                                                         np.int64))],
+                        [f"{store}.rows.out"], f"{store}.rows.out")[0]
+        if nb * block != q.k:
+            out = self.node("Slice", [out, self.const("i64.zero1", np.array([0], np.int64)),
+                                      self.const(f"k.{q.k}", np.array([q.k], np.int64)),
+                                      self.const("i64.last", np.array([-1], np.int64))],
+                            [f"{store}.rows.k"], f"{store}.rows.k")[0]
+        return out
 
 
 def window_bias(g: GraphBuilder, bias: str, shape: str, window: int) -> str:
@@ -211,15 +343,22 @@ def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seql
                      kv_cache_bit_width=8)
         quantized = ["", *(g.const(f"{p}.{kind}_scale", scale.astype(np.float32))
                            for kind, scale in zip("kv", kv_scales, strict=True))]
-    if spec.attn_scale:
-        attrs["scale"] = spec.attn_scale
+    if spec.attn_scale or padded_head_dim(spec.head_dim) != spec.head_dim:
+        attrs["scale"] = spec.attn_scale or spec.head_dim ** -0.5
     if spec.attn_softcap:
         attrs["softcap"] = spec.attn_softcap
-    return g.node("GroupQueryAttention",
+    positions, exact = "position_ids", g.dtype == np.float32  # cpu: see exact_attention
+    if exact:
+        qkv, positions, bias = (exact_attention.padded_qkv(g, qkv, p),
+                                exact_attention.padded_positions(g),
+                                exact_attention.padded_bias(g, bias))
+        seqlens_k, total = exact_attention.padded_lengths(g, seqlens_k, total)
+    attn = g.node("GroupQueryAttention",
                   [*qkv, f"past_key_{i}", f"past_value_{i}", seqlens_k, total, *rope,
-                   "position_ids", bias, *quantized],
+                   positions, bias, *quantized],
                   [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
                   domain=MS, **attrs)[0]
+    return exact_attention.first_rows(g, attn, f"{p}.attn") if exact else attn
 
 
 def mha(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], rope: list[str],
@@ -250,8 +389,62 @@ def mha(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], rope
                   scale=spec.attn_scale or spec.head_dim ** -0.5)[0]
 
 
-def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[LayerWeights],
-                  final_norm: np.ndarray, lm_head: np.ndarray, precision: str = "fp32",
+def rope_caches(g: GraphBuilder, spec: DecoderSpec, inv_freq: np.ndarray,
+                name: str) -> list[str]:
+    """cos/sin [max_positions, rotary_dim/2] for the half-split (rotate_half) layout, as
+    transformers computes them (float32 angles); a rotary_dim below head_dim is partial
+    rotary, which GQA reads off the cache width. Only the frequencies are stored: the
+    tables (tens of MB at 32k positions) are computed at session load."""
+    positions = g.once("rope.positions", lambda: g.node(
+        "Range", [g.const("rope.start", np.array(0, np.float32)),
+                  g.const("rope.limit", np.array(spec.max_positions, np.float32)),
+                  g.const("rope.delta", np.array(1, np.float32))],
+        ["rope.positions"], "rope.positions")[0])
+    column = g.const("rope.column", np.array([-1, 1], np.int64))
+    pos = g.node("Reshape", [positions, column], [f"{name}.pos"], f"{name}.pos")[0]
+    angles = g.node("Mul", [pos, g.const(f"{name}.inv_freq", inv_freq.astype(np.float32))],
+                    [f"{name}.angles"], f"{name}.angles")[0]
+    out = []
+    for fn in ("Cos", "Sin"):
+        t = g.node(fn, [angles], [f"{name}.{fn.lower()}"], f"{name}.{fn.lower()}")[0]
+        if g.dtype != np.float32:
+            t = g.node("Cast", [t], [f"{name}.{fn.lower()}.c"], f"{name}.{fn.lower()}.c",
+                       to=g.onnx_dtype)[0]
+        out.append(t)
+    return out
+
+
+def pad_heads(g: GraphBuilder, x: str, heads: int, spec: DecoderSpec, name: str) -> str:
+    """[1, S, heads·d] -> [1, S, heads·d'] with each head zero-padded to d' (see
+    padded_head_dim)."""
+    padded = padded_head_dim(spec.head_dim)
+    split = g.const(f"heads{heads}x{spec.head_dim}", np.array([1, -1, heads, spec.head_dim],
+                                                             np.int64))
+    merged = g.const(f"merged{heads}x{padded}", np.array([1, -1, heads * padded], np.int64))
+    pads = g.const(f"pads.{padded - spec.head_dim}", np.array(
+        [0, 0, 0, 0, 0, 0, 0, padded - spec.head_dim], np.int64))
+    y = g.node("Reshape", [x, split], [f"{name}.heads"], f"{name}.heads")[0]
+    y = g.node("Pad", [y, pads], [f"{name}.pad"], f"{name}.pad")[0]
+    return g.node("Reshape", [y, merged], [f"{name}.padded"], f"{name}.padded")[0]
+
+
+def unpad_heads(g: GraphBuilder, x: str, spec: DecoderSpec, name: str) -> str:
+    """The inverse of pad_heads for the attention output (query heads)."""
+    padded = padded_head_dim(spec.head_dim)
+    split = g.const(f"heads{spec.num_heads}x{padded}", np.array(
+        [1, -1, spec.num_heads, padded], np.int64))
+    merged = g.const(f"merged{spec.num_heads}x{spec.head_dim}", np.array(
+        [1, -1, spec.num_heads * spec.head_dim], np.int64))
+    y = g.node("Reshape", [x, split], [f"{name}.heads"], f"{name}.heads")[0]
+    y = g.node("Slice", [y, g.const("i64.zero1", np.array([0], np.int64)),
+                         g.const(f"d.{spec.head_dim}", np.array([spec.head_dim], np.int64)),
+                         g.const("i64.last", np.array([-1], np.int64))],
+               [f"{name}.cut"], f"{name}.cut")[0]
+    return g.node("Reshape", [y, merged], [f"{name}.merged"], f"{name}.merged")[0]
+
+
+def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerWeights],
+                  final_norm: np.ndarray, lm_head: Weight, precision: str = "fp32",
                   block_size: int = 32, accuracy_level: int = 0, dtype: type = np.float32,
                   attention: str = "gqa", symmetric: bool = True, nested: str | None = None,
                   draft_head_rows: np.ndarray | None = None,
@@ -262,16 +455,22 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
     precision costs memory, not speed) and the LM head at 8 bits even for int4/int2
     bodies: the head decides which token wins, and low-bit heads cost accuracy that
-    no speculative trick recovers. Logits and the bias stay float32 at the graph's edge
-    whatever the compute dtype, so the runtime's contract does not change.
+    no speculative trick recovers. Imported encodings (GGUF) keep their own types; a
+    quantized embedding is gathered from its codes, shared with a tied head. Logits and
+    the bias stay float32 at the graph's edge whatever the compute dtype, so the
+    runtime's contract does not change.
     `draft_head_rows` (BitNest with VocabTrim) gives the nested draft a head of those
     rows only. `kv_scales` (one (K, V) pair per layer) store the KV cache as int8 codes.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
+    tied = embeddings is lm_head
+    if nested or draft_head_rows is not None:  # BitNest nests float weights anew
+        embeddings, lm_head = as_float(embeddings), as_float(lm_head)
     s_dim, t_dim = "sequence", "total_sequence"
+    kv_dim_head = padded_head_dim(spec.head_dim) if attention == "gqa" else spec.head_dim
     if attention == "gqa":
-        past_shape = present_shape = [1, spec.num_kv_heads, "max_length", spec.head_dim]
+        past_shape = present_shape = [1, spec.num_kv_heads, "max_length", kv_dim_head]
     else:
         past_shape = [1, spec.num_heads, "past_sequence", spec.head_dim]
         present_shape = [1, spec.num_heads, t_dim, spec.head_dim]
@@ -283,7 +482,7 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
         inputs.append(helper.make_tensor_value_info("use_residual", TensorProto.BOOL, []))
         g.gate_residuals()
     # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
-    vocab = "vocab" if draft_head_rows is not None else lm_head.shape[0]
+    vocab = "vocab" if draft_head_rows is not None else rows_of(lm_head)
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, s_dim, vocab])]
     kv_type = TensorProto.INT8 if kv_scales is not None else g.onnx_dtype
     for i in range(spec.num_layers):
@@ -293,11 +492,16 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
             outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", kv_type,
                                                          present_shape))
 
-    table = embeddings.astype(g.dtype if precision == "fp32" else np.float16)
-    x = g.node("Gather", [g.const("embed.weight", table), "input_ids"], ["embed.raw"],
-               "embed")[0]
-    if table.dtype != g.dtype:
-        x = g.node("Cast", [x], ["embed.out"], "embed.cast", to=g.onnx_dtype)[0]
+    if isinstance(embeddings, QuantizedWeight):
+        x = g.gather_rows(embeddings, "input_ids", "lm_head" if tied else "embed")
+        if g.dtype != np.float32:
+            x = g.node("Cast", [x], ["embed.out"], "embed.cast", to=g.onnx_dtype)[0]
+    else:
+        table = embeddings.astype(g.dtype if precision == "fp32" else np.float16)
+        x = g.node("Gather", [g.const("embed.weight", table), "input_ids"], ["embed.raw"],
+                   "embed")[0]
+        if table.dtype != g.dtype:
+            x = g.node("Cast", [x], ["embed.out"], "embed.cast", to=g.onnx_dtype)[0]
     if spec.embed_scale:
         x = g.node("Mul", [x, g.fconst("embed.scale", spec.embed_scale)], ["embed.scaled"],
                    "embed.scale")[0]
@@ -315,8 +519,9 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                      "seqlens.sub")[0]
     seqlens_k = g.node("Reshape", [seqlens, g.const("shape1", np.array([1], np.int64))],
                        ["seqlens_k"], "seqlens.reshape")[0]
-    cos, sin = rope_cache(spec)
-    rope = [g.fconst("cos_cache", cos), g.fconst("sin_cache", sin)]
+    rope = rope_caches(g, spec, spec.inv_freq, "rope")
+    local_rope = (rope_caches(g, spec, spec.local_inv_freq, "rope.local")
+                  if spec.local_inv_freq is not None else rope)
     if attention == "mha":  # MHA wants the bias per head: [1, heads, S, T]
         dims = g.node("Concat", [g.const("bias.heads", np.array([1, spec.num_heads], np.int64)),
                                  g.node("Slice", [shape, g.const("two", np.array([2], np.int64)),
@@ -350,28 +555,40 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                 "SkipSimplifiedLayerNormalization",
                 [resid, delta, g.fconst(f"{p}.input_norm", lw.input_norm)],
                 [f"{p}.norm1", "", "", f"{p}.resid1"], f"{p}.norm1", domain=MS, epsilon=eps)
-        qkv = g.linear(h, lw.qkv, f"{p}.qkv")
+        qkv = g.linear_parts(h, lw.qkv, f"{p}.qkv")
         if lw.qkv_bias is not None:
-            qkv = g.node("Add", [qkv, g.fconst(f"{p}.qkv.bias", lw.qkv_bias)], [f"{p}.qkv.b"],
-                         f"{p}.qkv.bias")[0]
-        if lw.q_norm is not None or attention == "mha":
-            q, k, v = g.node("Split", [qkv, g.const(f"{p}.qkv.sizes", np.array(
-                [q_dim, kv_dim, kv_dim], np.int64))], [f"{p}.q", f"{p}.k", f"{p}.v"],
+            qkv = [g.node("Add", [qkv[0], g.fconst(f"{p}.qkv.bias", lw.qkv_bias)],
+                          [f"{p}.qkv.b"], f"{p}.qkv.bias")[0]] if len(qkv) == 1 else [
+                g.node("Add", [t, g.fconst(f"{p}.qkv.bias{j}", b)], [f"{t}.b"], f"{t}.bias")[0]
+                for j, (t, b) in enumerate(zip(qkv, np.split(lw.qkv_bias, [q_dim, q_dim + kv_dim]),
+                                               strict=True))]
+        pad = kv_dim_head != spec.head_dim
+        if len(qkv) == 3 or lw.q_norm is not None or attention == "mha" or pad:
+            q, k, v = qkv if len(qkv) == 3 else g.node(
+                "Split", [qkv[0], g.const(f"{p}.qkv.sizes", np.array(
+                    [q_dim, kv_dim, kv_dim], np.int64))], [f"{p}.q", f"{p}.k", f"{p}.v"],
                 f"{p}.qkv.split", axis=-1)
             if lw.q_norm is not None:
                 q = head_norm(q, lw.q_norm, spec.num_heads, f"{p}.qn")
                 k = head_norm(k, lw.k_norm, spec.num_kv_heads, f"{p}.kn")
+            if pad:
+                q = pad_heads(g, q, spec.num_heads, spec, f"{p}.qp")
+                k, v = (pad_heads(g, t, spec.num_kv_heads, spec, f"{p}.{c}p")
+                        for t, c in ((k, "k"), (v, "v")))
             qkv_inputs = [q, k, v]
         else:
-            qkv_inputs = [qkv, "", ""]
+            qkv_inputs = [qkv[0], "", ""]
         if attention == "gqa":
             layer_bias = bias
             if spec.sliding_window and spec.sliding_window[i]:
                 w = spec.sliding_window[i]
                 windows[w] = windows.get(w) or window_bias(g, bias, shape, w)
                 layer_bias = windows[w]
-            attn = gqa(g, spec, i, p, qkv_inputs, seqlens_k, total, rope, layer_bias,
+            layer_rope = local_rope if spec.sliding_window and spec.sliding_window[i] else rope
+            attn = gqa(g, spec, i, p, qkv_inputs, seqlens_k, total, layer_rope, layer_bias,
                        kv_scales[i] if kv_scales is not None else None)
+            if pad:
+                attn = unpad_heads(g, attn, spec, f"{p}.attn.u")
         else:
             attn = mha(g, spec, i, p, qkv_inputs, rope, mha_bias)
         o = g.linear(attn, lw.o, f"{p}.o")
@@ -381,8 +598,9 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
                                 [resid, o, g.fconst(f"{p}.mlp_norm", lw.mlp_norm)],
                                 [f"{p}.norm2", "", "", f"{p}.resid2"], f"{p}.norm2",
                                 domain=MS, epsilon=eps)
-        gate, up = g.node("Split", [g.linear(h, lw.gate_up, f"{p}.gate_up")],
-                          [f"{p}.gate", f"{p}.up"], f"{p}.split", axis=-1, num_outputs=2)
+        gate_up = g.linear_parts(h, lw.gate_up, f"{p}.gate_up")
+        gate, up = gate_up if len(gate_up) == 2 else g.node(
+            "Split", gate_up, [f"{p}.gate", f"{p}.up"], f"{p}.split", axis=-1, num_outputs=2)
         if spec.activation == "gelu_tanh":
             act = g.node("FastGelu", [gate], [f"{p}.gelu"], f"{p}.gelu", domain=MS)[0]
         else:
@@ -402,7 +620,8 @@ def build_decoder(spec: DecoderSpec, embeddings: np.ndarray, layers: Iterable[La
     if draft_head_rows is not None:
         logits = g.trimmed_nested_head(h, lm_head, draft_head_rows, "lm_head")
     else:
-        logits = g.linear(h, lm_head, "lm_head", bits=head_bits, whole_nest=True)
+        logits = g.linear(h, lm_head, "lm_head", bits=head_bits, whole_nest=True,
+                          store="lm_head")
     if spec.final_softcap:  # c * tanh(logits / c)
         cap = g.fconst("final_softcap", spec.final_softcap)
         scaled = g.node("Div", [logits, cap], ["logits.scaled"], "softcap.div")[0]

@@ -12,10 +12,18 @@ unsigned code u = clamp(round(w / s) + z, 0, 2**bits - 1), so that w ≈ (u - z)
 MatMulNBits packs `8 // bits` codes per byte, lowest bits first, as [N, K/block,
 block*bits/8]; scales as [N * K/block]; zero points packed the same way per row,
 [N * ceil(K/block * bits / 8)].
+
+Imported weights (GGUF) may also carry a float minimum per block, w = (u - z) · s + m,
+which MatMulNBits cannot hold: the graph adds m times the block sums of the activations.
+They may also say how their scales and minimums are *stored* (`stored`): as float16
+values, or float16 super-block values times small integers, as GGUF keeps them; the graph
+then stores those and rebuilds the float32 arrays at session load, so a bundle is no
+bigger than the file it came from.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,11 +38,26 @@ class QuantizedWeight:
     block_size: int
     n: int
     k: int
-    symmetric: bool = True
+    symmetric: bool = True  # zero point 2**(bits-1) everywhere: MatMulNBits' implicit one
+    mins: np.ndarray | None = None  # float32 [N * n_blocks], added to every weight of a block
+    # how `scales`/`mins` are stored: (float16 [N, G, 1],) or (float16 [N, G, 1], int [N, G, P])
+    # whose float32 product, flattened, equals them exactly (G * P = n_blocks)
+    stored: dict[str, tuple[np.ndarray, ...]] | None = None
 
     def packed_zero_points(self) -> np.ndarray:
         """The zero points as MatMulNBits' optional input reads them."""
         return pack_rows(self.zero_points, self.bits).reshape(-1)
+
+    def rows(self, index: np.ndarray) -> QuantizedWeight:
+        """The same encoding for a subset of output rows (a trimmed LM head)."""
+        nb = self.packed.shape[1]
+        per_row = {key: tuple(part[index] for part in parts)
+                   for key, parts in (self.stored or {}).items()}
+        flat = (np.asarray(index)[:, None] * nb + np.arange(nb)).reshape(-1)
+        return dataclasses.replace(
+            self, packed=self.packed[index], scales=self.scales[flat],
+            zero_points=self.zero_points[index], n=len(index),
+            mins=None if self.mins is None else self.mins[flat], stored=per_row or None)
 
 
 def pack_rows(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -86,4 +109,6 @@ def dequantize(qw: QuantizedWeight) -> np.ndarray:
     """The [N, K] float32 weight that MatMulNBits computes with (the numpy reference)."""
     codes = unpack_rows(qw.packed, qw.bits).reshape(qw.n, -1, qw.block_size)
     w = (codes.astype(np.float32) - qw.zero_points[..., None]) * qw.scales.reshape(qw.n, -1, 1)
+    if qw.mins is not None:
+        w = w + qw.mins.reshape(qw.n, -1, 1)
     return w.reshape(qw.n, -1)[:, :qw.k]

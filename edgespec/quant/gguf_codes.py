@@ -1,0 +1,151 @@
+"""GGUF quantized tensors -> MatMulNBits encodings with the very same effective weights.
+
+One function per GGUF block layout (as in gguf-py's `quants.py`, which is the reference:
+`gguf.quants.dequantize` must give bitwise the weights these encodings describe). Each
+takes the tensor's raw blocks as gguf-py maps them, uint8 [N, row_bytes] (rows are output
+features), and returns a `QuantizedWeight`: codes u, scales s, zero points z and, for
+the types with a minimum, a float m per block, so that w = (u - z) · s (+ m).
+
+- 4-bit values stay 4-bit; 5- and 6-bit values become 8-bit codes (MatMulNBits has no
+  5/6-bit kernel); K-quants' sub-blocks (32, or 16 for Q6_K) are the MatMulNBits blocks.
+- Scales and minimums keep GGUF's storage (float16, or a float16 per super-block times a
+  small integer per sub-block) in `stored`, so the graph can hold them at GGUF's size.
+
+Types not listed (IQ*, TQ*, Q2_K, Q3_K, Q8_K, ...) have codes or lookup grids that no
+MatMulNBits encoding reproduces exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from edgespec.quant.blockwise import QuantizedWeight, pack_rows
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """A float16 field of every block, [N, nb, 1]."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """GGUF's 32-value nibble layout: value j is the low nibble of byte j, value j + 16
+    the high nibble (of the 16 bytes at the last axis)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """Bit j of a little-endian bit field (the last axis, bytes), for j < count."""
+    bits = (qh[..., :, None] >> np.arange(8, dtype=np.uint8)) & 1
+    return bits.reshape(*qh.shape[:-1], -1)[..., :count]
+
+
+def _weight(codes: np.ndarray, bits: int, block: int, zero: int, scale_parts: tuple,
+            min_parts: tuple | None = None) -> QuantizedWeight:
+    """Codes [N, n_blocks, block] and scale/min factors ([N, G, 1] float16, optionally
+    times [N, G, P] integers) -> the MatMulNBits weight."""
+    n, nb = codes.shape[:2]
+
+    def value(parts: tuple) -> np.ndarray:
+        out = parts[0].astype(np.float32)
+        for p in parts[1:]:
+            out = out * p.astype(np.float32)
+        return out.reshape(-1)
+
+    return QuantizedWeight(
+        packed=pack_rows(codes.astype(np.uint8), bits), scales=value(scale_parts),
+        zero_points=np.full((n, nb), zero, np.uint8), bits=bits, block_size=block, n=n,
+        k=nb * block, symmetric=zero == 2 ** (bits - 1),
+        mins=None if min_parts is None else value(min_parts),
+        stored={"scales": scale_parts, **({"mins": min_parts} if min_parts else {})})
+
+
+def q8_0(blocks: np.ndarray) -> QuantizedWeight:  # d f16, int8 q[32]; w = d·q
+    codes = np.ascontiguousarray(blocks[..., 2:]) ^ np.uint8(0x80)  # q + 128
+    return _weight(codes, 8, 32, 128, (_f16(blocks, 0),))
+
+
+def q4_0(blocks: np.ndarray) -> QuantizedWeight:  # d, qs[16]; w = d·(q - 8)
+    return _weight(_nibbles(blocks[..., 2:]), 4, 32, 8, (_f16(blocks, 0),))
+
+
+def q4_1(blocks: np.ndarray) -> QuantizedWeight:  # d, m, qs[16]; w = d·q + m
+    return _weight(_nibbles(blocks[..., 4:]), 4, 32, 0, (_f16(blocks, 0),), (_f16(blocks, 2),))
+
+
+def q5_0(blocks: np.ndarray) -> QuantizedWeight:  # d, qh[4], qs[16]; w = d·(q - 16)
+    codes = _nibbles(blocks[..., 6:]) | (_high_bits(blocks[..., 2:6], 32) << 4)
+    return _weight(codes, 8, 32, 16, (_f16(blocks, 0),))
+
+
+def q5_1(blocks: np.ndarray) -> QuantizedWeight:  # d, m, qh[4], qs[16]; w = d·q + m
+    codes = _nibbles(blocks[..., 8:]) | (_high_bits(blocks[..., 4:8], 32) << 4)
+    return _weight(codes, 8, 32, 0, (_f16(blocks, 0),), (_f16(blocks, 2),))
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and minimums of a Q4_K/Q5_K super-block (12 bytes)."""
+    d, m, m_d = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """K-quants' 4-bit layout: 32-byte chunk c holds sub-block 2c in its low nibbles and
+    2c + 1 in its high ones -> [N, G, 8, 32]."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 1, 32)
+    return np.stack([chunks[..., 0, :] & 0x0F, chunks[..., 0, :] >> 4], axis=-2).reshape(
+        *qs.shape[:-1], 8, 32)
+
+
+def _k_weight(blocks: np.ndarray, codes: np.ndarray, bits: int) -> QuantizedWeight:
+    """Q4_K/Q5_K: w = (d·sc)·q - dmin·mn per 32-value sub-block."""
+    n, g = blocks.shape[:2]
+    sc, mn = _k_scales(blocks[..., 4:16])
+    neg_dmin = -_f16(blocks, 2)  # -(dmin·mn) == (-dmin)·mn exactly
+    return _weight(codes.reshape(n, g * 8, 32), bits, 32, 0, (_f16(blocks, 0), sc),
+                   (neg_dmin, mn))
+
+
+def q4_k(blocks: np.ndarray) -> QuantizedWeight:  # d, dmin, scales[12], qs[128]
+    return _k_weight(blocks, _k_low_nibbles(blocks[..., 16:]), 4)
+
+
+def q5_k(blocks: np.ndarray) -> QuantizedWeight:  # d, dmin, scales[12], qh[32], qs[128]
+    qh = blocks[..., 16:48]
+    high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., 8, 32]
+    return _k_weight(blocks, _k_low_nibbles(blocks[..., 48:]) | (high << 4), 8)
+
+
+def q6_k(blocks: np.ndarray) -> QuantizedWeight:  # ql[128], qh[64], int8 sc[16], d
+    n, g = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(n, g, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    ql = (ql & 0x0F).reshape(n, g, 8, 32)
+    qh = blocks[..., 128:192].reshape(n, g, 2, 1, 32) >> np.array([0, 2, 4, 6],
+                                                                   np.uint8)[:, None]
+    qh = (qh & 0x03).reshape(n, g, 8, 32)
+    codes = (ql | (qh << 4)).reshape(n, g * 16, 16)  # q + 32
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)
+    return _weight(codes, 8, 16, 32, (_f16(blocks, 208), sc))
+
+
+ENCODINGS: dict[GGMLQuantizationType, Callable[[np.ndarray], QuantizedWeight]] = {
+    GGMLQuantizationType.Q8_0: q8_0,
+    GGMLQuantizationType.Q4_0: q4_0,
+    GGMLQuantizationType.Q4_1: q4_1,
+    GGMLQuantizationType.Q5_0: q5_0,
+    GGMLQuantizationType.Q5_1: q5_1,
+    GGMLQuantizationType.Q4_K: q4_k,
+    GGMLQuantizationType.Q5_K: q5_k,
+    GGMLQuantizationType.Q6_K: q6_k,
+}
+
+
+def encode(data: np.ndarray, qtype: GGMLQuantizationType) -> QuantizedWeight:
+    """Raw GGUF rows uint8 [N, row_bytes] of a supported type -> its exact encoding."""
+    values, size = GGML_QUANT_SIZES[qtype]
+    n = data.shape[0]
+    return ENCODINGS[qtype](np.asarray(data).reshape(n, -1, size))
