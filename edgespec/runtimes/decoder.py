@@ -33,7 +33,9 @@ class KVCache:
         """`layers`: the layers whose KV this cache holds (all by default; a segment of
         an offloaded target holds its own)."""
         self.layers = range(entry.num_layers) if layers is None else layers
-        shape = [1, entry.num_kv_heads, max_len, entry.head_dim]
+        # one spare slot: exact graphs write a pass's padding row after its tokens
+        # (edgespec.export.exact_attention)
+        shape = [1, entry.num_kv_heads, max_len + 1, entry.head_dim]
         dtype = np.dtype(entry.kv_dtype)
         self.device, self.dtype = device, dtype
         if device == "cuda":
