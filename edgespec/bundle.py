@@ -14,7 +14,9 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field
@@ -26,7 +28,7 @@ from edgespec.errors import EdgespecError
 MANIFEST = "edgespec.json"
 FORMAT = "edgespec-bundle"
 FORMAT_VERSION = 1
-PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2", "gguf")  # gguf: each tensor its own type
 EP_PROFILES = ("cpu", "cuda", "dml")
 KV_LAYOUTS = ("gqa-shared-buffer", "mha-concat")
 KV_DTYPES = ("float32", "float16", "int8")  # int8: codes with per-channel scales in the graph
@@ -113,6 +115,12 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
                                "the manifest is damaged, re-export the bundle.")
         _check_type(mpath, f"{where}.{name}", raw[name], kinds.get(name, int))
     entry = ModelEntry(**raw)
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "max_positions", "params", "block_size"):
+        value = getattr(entry, name)
+        if value is not None and value < 1:
+            raise _fail(mpath, f"'{where}.{name}' is {value}, but it must be at least 1; "
+                               "the manifest is damaged, re-export the bundle.")
     if entry.precision not in PRECISIONS:
         raise _fail(mpath, f"'{where}.precision' is '{entry.precision}', not one of "
                            f"{', '.join(PRECISIONS)}; re-export the bundle.")
@@ -203,17 +211,58 @@ def read_manifest(bundle: Path | str, verify: bool = True) -> Manifest:
     return manifest
 
 
+def _replaceable(out: Path) -> None:
+    """--overwrite replaces an edgespec bundle and nothing else: not a file, not a
+    checkpoint directory (`export ck --out ck --overwrite` once deleted the weights)."""
+    if not out.is_dir():
+        raise EdgespecError(f"{out} is a file, not a bundle; --overwrite replaces only an "
+                            "edgespec bundle directory, so choose another --out.")
+    try:
+        is_bundle = json.loads((out / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        is_bundle = False
+    if not is_bundle:
+        raise EdgespecError(f"{out} is not an edgespec bundle (no valid {MANIFEST}); "
+                            "--overwrite replaces only bundles, so choose another --out.")
+
+
+@contextmanager
+def _cleanup_on_termination() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C does, so `finally` removes the partial
+    directory (their default action kills the process on the spot)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @contextmanager
 def write_bundle(out: Path | str, overwrite: bool = False) -> Iterator[tuple[Path, Callable]]:
     """Yield a temporary directory and a `finish(manifest)` callback; rename on success.
 
     The temp directory is a sibling of `out` (same filesystem, so the rename is atomic)
-    and is deleted if anything fails. `finish` hashes every file it finds, so the
-    manifest always lists exactly what was written.
+    and is deleted if anything fails, Ctrl-C, SIGTERM and SIGHUP included. `finish`
+    hashes every file it finds, so the manifest always lists exactly what was written.
     """
-    out = Path(out)
+    with _cleanup_on_termination(), _write_bundle(Path(out), overwrite) as written:
+        yield written
+
+
+@contextmanager
+def _write_bundle(out: Path, overwrite: bool) -> Iterator[tuple[Path, Callable]]:
     if out.exists() and not overwrite:
         raise EdgespecError(f"{out} already exists; choose another --out or pass --overwrite.")
+    if out.exists():
+        _replaceable(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     finished: list[Manifest] = []

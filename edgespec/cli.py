@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,9 +34,11 @@ def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> in
 
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto",
                              show_default=True, help="Execution provider to run on.")
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 threads_option = click.option("--threads", default=0, show_default=True,
-                              type=click.IntRange(min=0),
-                              help="CPU threads per session (0: one per core).")
+                              type=click.IntRange(0, CORES or 1),
+                              help="CPU threads per session (0: one per core; at most the "
+                                   "cores this process may use).")
 gpu_memory_option = click.option(
     "--gpu-memory", callback=_memory,
     help="GPU memory the model may use, e.g. 6GiB (default: what the GPU reports free, "
@@ -118,6 +121,14 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     """Export a Hugging Face TARGET (directory or Hub id) and a draft into a bundle."""
     from edgespec.export import export as run_export
 
+    for source in (target, draft):
+        if source and out.exists() and Path(source).exists() and \
+                Path(source).resolve().is_relative_to(out.resolve()):
+            raise EdgespecError(f"{out} holds {source}, which this export reads; choose "
+                                "another --out.")
+    if vocab_trim and not draft:
+        raise EdgespecError("--vocab-trim trims the draft's LM head, but no --draft was "
+                            "given; add --draft or leave --vocab-trim out.")
     run_export(target, out, draft=draft, precision=precision,
                draft_precision=draft_precision, block_size=int(block_size),
                ep_profile=ep_profile, accuracy_level=int(accuracy_level),
@@ -151,7 +162,7 @@ def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
               type=click.FloatRange(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0),
               help="0 = off.")
-@click.option("--seed", type=int, help="Seed for sampling.")
+@click.option("--seed", type=click.IntRange(min=0), help="Seed for sampling.")
 @click.option("--stop", multiple=True, help="End the text at this string (repeatable).")
 @mode_option
 @click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 64),
@@ -176,23 +187,47 @@ def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temper
     if prompt is None:
         if sys.stdin.isatty():
             raise EdgespecError("give a prompt as an argument or on stdin.")
-        prompt = sys.stdin.read()
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise EdgespecError(f"stdin is not UTF-8 text (byte {e.start}); give the prompt "
+                                "as text.") from None
     engine = load(model, **runtime)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop), mode=mode,
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
                               adaptive=adaptive, stop_rule=stop_rule)
+    config.validate(engine.draft is not None)
+    ids = engine.encode_prompt(prompt)  # a prompt that cannot run is refused before it is echoed
     if as_json:
-        click.echo(json.dumps(engine.generate(prompt, config).to_dict()))
+        click.echo(json.dumps(engine.generate(ids, config).to_dict()))
         return
     click.echo(prompt, nl=False)
     record = None
-    for record in engine.records(prompt, config):
+    for record in engine.records(ids, config):
         click.echo(record.text, nl=False)
         sys.stdout.flush()
     click.echo()
     if record is not None:
         err.print(f"[dim]{_stats_line(record.stats.to_dict())}[/dim]")
+
+
+def _read_line(prompt: str) -> str | None:
+    """One line typed after `prompt`, or None at the end of input.
+
+    Ctrl-D on a line that has text hands that text over without a newline: that means
+    leave too, never "send what is typed so far". A terminal hands over one line per read
+    (or what Ctrl-D flushed), so the line is read from the descriptor to tell them apart.
+    Undecodable bytes stay surrogates, which the tokenizer refuses in one sentence.
+    """
+    click.echo(prompt, nl=False)
+    sys.stdout.flush()
+    if sys.stdin.isatty():
+        data = os.read(sys.stdin.fileno(), 1 << 16)
+    else:
+        data = sys.stdin.buffer.readline()
+    text = data.decode("utf-8", errors="surrogateescape")
+    return text[:-1] if text.endswith("\n") else None
 
 
 CHAT_HELP = ("commands: /reset (new conversation), /stats (last answer's numbers), "
@@ -227,13 +262,13 @@ def chat(model: Path | None, runtime: dict, mode: str, temperature: float,
     err.print(f"[dim]edgespec chat ({mode}, {engine.devices}). {CHAT_HELP}[/dim]")
     while True:
         try:
-            line = input(">>> ")
-        except EOFError:
-            click.echo()
-            return
+            line = _read_line(">>> ")
         except KeyboardInterrupt:
             click.echo()
             continue
+        if line is None:
+            click.echo()
+            return
         command, _, arg = line.strip().partition(" ")
         if command == "/exit":
             return
@@ -291,19 +326,44 @@ def chat(model: Path | None, runtime: dict, mode: str, temperature: float,
 @cli.command()
 @model_option
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8080, show_default=True, type=int)
-@click.option("--api-key", help="Require this Bearer token.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--api-key", envvar="EDGESPEC_API_KEY", show_envvar=True,
+              help="Require this Bearer token (better from the environment variable: "
+                   "command lines are visible to every user in `ps`).")
+@click.option("--allowed-host", "allowed_hosts", multiple=True,
+              help="Also answer requests whose Host is this name (repeatable; '*': any). "
+                   "IP addresses and localhost are always answered.")
 @runtime_options
 def serve(model: Path | None, host: str, port: int, api_key: str | None,
-          runtime: dict) -> None:
-    """Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."""
+          allowed_hosts: tuple[str, ...], runtime: dict) -> None:
+    """Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) and a
+    chat page at /."""
+    import ipaddress
+
     from edgespec.engine import load
+    from edgespec.http_guard import check_api_key
     from edgespec.server import serve as run_server
 
+    if api_key is None and os.environ.get("EDGESPEC_API_KEY") == "":
+        api_key = ""  # set but empty: refused below rather than silently keyless
+    check_api_key(api_key)
+    source = click.get_current_context().get_parameter_source("api_key")
+    if api_key is not None and source == click.core.ParameterSource.COMMANDLINE:
+        err.print("[yellow]note:[/yellow] --api-key on the command line is visible to "
+                  "other users (ps); set EDGESPEC_API_KEY instead.")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and api_key is None:
+        err.print(f"[yellow]warning:[/yellow] {escape(host)} is reachable from other "
+                  "machines and no API key is set: anyone who can reach this port can use "
+                  "the model; set EDGESPEC_API_KEY.")
     engine = load(model, **runtime)
     model_id = model.resolve().name if model else "edgespec-demo"
-    err.print(f"serving {model_id} on http://{host}:{port}/v1 ({engine.devices})")
-    run_server(engine, model_id, host, port, api_key)
+    err.print(f"serving {model_id} on http://{host}:{port}/ (chat page) and /v1 "
+              f"({engine.devices})")
+    run_server(engine, model_id, host, port, api_key, allowed_hosts)
 
 
 @cli.command()

@@ -25,21 +25,36 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Map every tensor in one .safetensors file (views into a read-only memmap)."""
+    damaged = f"{path} is truncated or damaged; download the checkpoint again."
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > path.stat().st_size - 8:  # a 2^62-byte header is not read, just refused
+                raise EdgespecError(damaged)
             header = json.loads(f.read(n))
     except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise EdgespecError(f"{path} is not a readable safetensors file ({e}).") from None
+    if not isinstance(header, dict):
+        raise EdgespecError(damaged)
     header.pop("__metadata__", None)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n)
+    size = path.stat().st_size - 8 - n
+    data = (np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size
+            else np.zeros(0, np.uint8))
     out = {}
     for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
-            raise EdgespecError(f"{path}: tensor {name} has dtype {info['dtype']}, which "
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        except (KeyError, TypeError, ValueError):
+            raise EdgespecError(f"{path}: tensor {name}'s entry lacks a dtype, shape or data "
+                                "offsets; the file is damaged, download it again.") from None
+        if dtype not in _DTYPES:
+            raise EdgespecError(f"{path}: tensor {name} has dtype {dtype}, which "
                                 "edgespec cannot read; convert the checkpoint to fp16/bf16.")
-        start, end = info["data_offsets"]
-        out[name] = data[start:end].view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size
+                and end - start == count * np.dtype(_DTYPES[dtype]).itemsize):
+            raise EdgespecError(damaged)
+        out[name] = data[start:end].view(_DTYPES[dtype]).reshape(shape)
     return out
 
 
@@ -114,16 +129,31 @@ class Checkpoint:
         return total
 
 
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise EdgespecError(f"{path} is not valid JSON ({e}); fix or download it again."
+                            ) from None
+    if not isinstance(value, dict):
+        raise EdgespecError(f"{path} must hold a JSON object; fix or download it again.")
+    return value
+
+
 def load_checkpoint(path: Path) -> Checkpoint:
     """config.json plus model.safetensors, or the shards listed in its index."""
     config_path = path / "config.json"
     if not config_path.is_file():
         raise EdgespecError(f"{path} has no config.json; pass a Hugging Face checkpoint "
                             "directory or a Hub id.")
-    config = json.loads(config_path.read_text())
+    config = _json_object(config_path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(_json_object(index)["weight_map"].values()))
+        except (KeyError, AttributeError, TypeError):
+            raise EdgespecError(f"{index} has no valid weight_map; download the checkpoint "
+                                "again.") from None
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

@@ -60,9 +60,13 @@ def corpus_counts(path: Path, tokenizer: Tokenizer, vocab_size: int) -> np.ndarr
         p for p in path.rglob("*") if p.suffix in (".txt", ".md", ".py", ".json"))
     if not paths:
         raise EdgespecError(f"the trim corpus {path} holds no .txt/.md/.py/.json files.")
-    return count_tokens((tokenizer.encode(p.read_text(errors="replace"),
-                                          add_special_tokens=False) for p in paths),
-                        vocab_size)
+    counts = count_tokens((tokenizer.encode(p.read_text(errors="replace"),
+                                            add_special_tokens=False) for p in paths),
+                          vocab_size)
+    if not counts.any():  # trimming on no evidence would keep arbitrary rows, for good
+        raise EdgespecError(f"the trim corpus {path} holds no text; give files with text "
+                            "the model should write.")
+    return counts
 
 
 def special_ids(tokenizer_dir: Path, eos_ids: list[int]) -> list[int]:
@@ -114,7 +118,10 @@ def retrim_bundle(bundle: Path, k: int, source: str = "target",
     counts = vocab_counts(bundle / m.target.graph, m.target, bundle, source, prompts)
     counts_in_head = np.full_like(counts, -1)
     counts_in_head[current] = counts[current]  # only rows the head still has
-    kept = kept_tokens(counts_in_head, k, special_ids(bundle, m.eos_token_ids))
+    try:
+        kept = kept_tokens(counts_in_head, k, special_ids(bundle, m.eos_token_ids))
+    except ValueError as e:
+        raise EdgespecError(f"--k: {e}; choose a larger K.") from None
     rows = np.searchsorted(current, kept)
     draft = onnx.load(bundle / m.draft.graph)
     _slice_head(draft, rows)
