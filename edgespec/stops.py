@@ -64,10 +64,11 @@ class StopStrings:
                     k = self._fail[n][k - 1]
                 if stop[k] == ch:
                     k += 1
-                if k == len(stop):
-                    self.hit, self.held = True, ""
-                    return text[:base + i + 1 - k]
                 self._state[n] = k
+            done = [len(s) for s, k in zip(self.stops, self._state, strict=True) if k == len(s)]
+            if done:  # several end here: cut where the longest begins
+                self.hit, self.held = True, ""
+                return text[:base + i + 1 - max(done)]
         keep = max(self._state)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]

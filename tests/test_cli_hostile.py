@@ -1,0 +1,252 @@
+"""The CLI against the review's hostile inputs (issue 17): real subprocesses, real files,
+real signals. User errors are one sentence, exit 1, and leave nothing half-done."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pexpect
+import pytest
+
+from edgespec.bundle import MANIFEST, sha256
+from tests.http_server import free_port
+from tests.test_cli import assert_user_error, run
+
+CLI = [sys.executable, "-m", "edgespec.cli"]
+
+
+def tree(path):
+    """Every file under `path` with its bytes' digest: what must not change."""
+    return {p.relative_to(path).as_posix(): sha256(p) for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture
+def checkpoint(tmp_path, demo_target):
+    dst = tmp_path / "ck"
+    shutil.copytree(demo_target, dst)
+    return dst
+
+
+# 1: --overwrite replaces only a bundle
+def test_overwrite_never_deletes_a_checkpoint(tmp_path, checkpoint):
+    before = tree(checkpoint)
+    assert_user_error(run("export", str(checkpoint), "--out", str(checkpoint), "--overwrite"),
+                      "which this export reads")
+    other = tmp_path / "other-ck"  # any folder that is not a bundle: someone's files
+    shutil.copytree(checkpoint, other)
+    assert_user_error(run("export", str(checkpoint), "--out", str(other), "--overwrite"),
+                      "not an edgespec bundle")
+    assert tree(checkpoint) == before == tree(other)
+
+
+def test_overwrite_refuses_a_folder_that_holds_the_target(tmp_path, checkpoint):
+    bundle = tmp_path / "b"
+    assert run("export", str(checkpoint), "--out", str(bundle)).returncode == 0
+    inside = bundle / "ck"
+    shutil.copytree(checkpoint, inside)
+    before = tree(bundle)
+    assert_user_error(run("export", str(inside), "--out", str(bundle), "--overwrite"),
+                      "which this export reads")
+    assert tree(bundle) == before
+    shutil.rmtree(inside)
+    out = run("export", str(checkpoint), "--out", str(bundle), "--overwrite",
+              "--precision", "int4")
+    assert out.returncode == 0, out.stderr  # a bundle is still replaced
+    assert json.loads((bundle / MANIFEST).read_text())["target"]["precision"] == "int4"
+
+
+# 11: --out FILE --overwrite is refused before anything is written
+def test_overwrite_refuses_a_file(tmp_path, checkpoint):
+    target = tmp_path / "notes.txt"
+    target.write_text("keep me")
+    assert_user_error(run("export", str(checkpoint), "--out", str(target), "--overwrite"),
+                      "is a file, not a bundle")
+    assert target.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "notes.txt"]
+
+
+# 10: SIGTERM and SIGHUP leave no partial directory
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_export_killed_by_a_signal_cleans_up(tmp_path, demo_target, demo_draft, sig):
+    out = tmp_path / "b"
+    proc = subprocess.Popen([*CLI, "export", str(demo_target), "--draft", str(demo_draft),
+                             "--vocab-trim", "1000", "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not list(tmp_path.glob(".b.partial-*")) and time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    time.sleep(0.3)  # well inside the write (counting tokens takes seconds)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == 128 + sig
+    assert "Traceback" not in proc.stderr.read().decode()
+    assert list(tmp_path.iterdir()) == []
+
+
+# 12: damaged inputs are one sentence
+def _safetensors(path, header: dict, data: bytes = b""):
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+
+
+@pytest.mark.parametrize("damage,fragment", [
+    ("config", "config.json is not valid JSON"),
+    ("truncated", "truncated or damaged"),
+    ("no-dtype", "lacks a dtype"),
+    ("huge-header", "truncated or damaged"),
+])
+def test_damaged_checkpoints(tmp_path, checkpoint, damage, fragment):
+    weights = checkpoint / "model.safetensors"
+    if damage == "config":
+        (checkpoint / "config.json").write_text("{not json")
+    elif damage == "truncated":
+        raw = weights.read_bytes()
+        weights.write_bytes(raw[:len(raw) // 2])
+    elif damage == "no-dtype":
+        _safetensors(weights, {"w": {"shape": [2], "data_offsets": [0, 8]}}, bytes(8))
+    else:
+        weights.write_bytes((1 << 62).to_bytes(8, "little") + b"{}")
+    assert_user_error(run("export", str(checkpoint), "--out", str(tmp_path / "b")), fragment)
+    assert not (tmp_path / "b").exists()
+
+
+def _rehash(bundle, name):
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    manifest["files"][name] = sha256(bundle / name)
+    (bundle / MANIFEST).write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("field,value", [("max_positions", -5), ("num_layers", 0)])
+def test_manifest_with_impossible_sizes(bundle_copy, field, value):
+    manifest = json.loads((bundle_copy / MANIFEST).read_text())
+    manifest["target"][field] = value
+    (bundle_copy / MANIFEST).write_text(json.dumps(manifest))
+    assert_user_error(run("generate", "x", "--model", str(bundle_copy)),
+                      f"'target.{field}' is {value}")
+
+
+def test_tokenizer_config_not_json(bundle_copy):
+    (bundle_copy / "tokenizer_config.json").write_text("{oops")
+    _rehash(bundle_copy, "tokenizer_config.json")
+    assert_user_error(run("generate", "x", "--model", str(bundle_copy)),
+                      "tokenizer_config.json is not valid JSON")
+
+
+def test_vocab_trim_below_the_special_tokens(bundle_copy):
+    before = tree(bundle_copy)
+    assert_user_error(run("vocab-trim", str(bundle_copy), "--k", "1"), "choose a larger K")
+    assert tree(bundle_copy) == before
+
+
+# 15: vocab-trim on an empty corpus, --vocab-trim without a draft
+def test_vocab_trim_on_an_empty_corpus(tmp_path, bundle_copy):
+    (tmp_path / "empty.txt").write_text("")
+    before = tree(bundle_copy)
+    assert_user_error(run("vocab-trim", str(bundle_copy), "--k", "100", "--trim-source",
+                          f"corpus:{tmp_path / 'empty.txt'}"), "holds no text")
+    assert tree(bundle_copy) == before
+
+
+def test_vocab_trim_flag_without_a_draft(tmp_path, checkpoint):
+    assert_user_error(run("export", str(checkpoint), "--out", str(tmp_path / "b"),
+                          "--vocab-trim", "100"), "no --draft was given")
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("args,flag", [(["serve", "--port", "70000"], "--port"),
+                                       (["generate", "x", "--seed", "-1"], "--seed"),
+                                       (["generate", "x", "--threads", "2000"], "--threads")])
+def test_out_of_range_options_are_usage_errors(args, flag):
+    out = run(*args)
+    assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr
+
+
+# 9: undecodable input
+def test_binary_stdin_is_refused():
+    out = subprocess.run([*CLI, "generate", "--max-new-tokens", "4"], input=b"\xff\xfe\x00",
+                         capture_output=True, timeout=120)
+    assert out.returncode == 1 and b"stdin is not UTF-8" in out.stderr
+    assert b"Traceback" not in out.stderr
+
+
+def test_undecodable_argv_is_refused():
+    out = subprocess.run([*CLI, "generate", "ab\udcff".encode(errors="surrogateescape"),
+                          "--max-new-tokens", "4"], capture_output=True, timeout=120)
+    assert out.returncode == 1 and b"not valid Unicode" in out.stderr
+    assert b"Traceback" not in out.stderr and out.stdout == b""
+
+
+# 15: an over-long prompt is not echoed before the error
+def test_over_long_prompt_is_not_echoed():
+    out = run("generate", "x = 1\n" * 600)
+    assert out.returncode == 1 and out.stdout == ""
+
+
+# 5, 15: keys: never empty, preferably not in argv; a keyless public bind warns
+@pytest.mark.parametrize("env,args", [({}, ["--api-key", ""]),
+                                      ({"EDGESPEC_API_KEY": ""}, [])])
+def test_empty_api_key_is_refused(env, args):
+    out = subprocess.run([*CLI, "serve", "--port", str(free_port()), *args], timeout=60,
+                         capture_output=True, text=True, env={**os.environ, **env})
+    assert_user_error(out, "API key is empty")
+
+
+def _serve(args, env=None):
+    port = free_port()
+    proc = subprocess.Popen([*CLI, "serve", "--port", str(port), *args],
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("serving"):
+            break
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+            break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    return proc, port, lines
+
+
+def test_key_from_the_environment_stays_out_of_ps():
+    proc, port, lines = _serve([], {"EDGESPEC_API_KEY": "sk-env-77"})
+    try:
+        url = f"http://127.0.0.1:{port}/v1/models"
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer sk-env-77"}).status_code == 200
+        with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
+            assert b"sk-env-77" not in f.read()
+        assert not any("visible" in line for line in lines)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_keyless_public_bind_warns():
+    proc, _, lines = _serve(["--host", "0.0.0.0"])
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert any(line.startswith("warning:") and "no API key" in line for line in lines), lines
+
+
+# 15: text then Ctrl-D leaves the chat without sending the text
+def test_chat_ctrl_d_after_text_leaves():
+    child = pexpect.spawn(sys.executable, ["-m", "edgespec.cli", "chat", "--mode", "ar"],
+                          encoding="utf-8", timeout=60, dimensions=(40, 200))
+    child.expect_exact(">>> ")
+    child.send("Write a long Python module.")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and "tok/s" not in child.before
