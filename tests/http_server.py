@@ -11,6 +11,19 @@ from contextlib import contextmanager
 import uvicorn
 
 
+def slowed(engine, seconds: float = 0.01):
+    """`engine` with each target pass made `seconds` longer: the demo writes its whole
+    context in a third of a second, a bigger model's pace leaves time to walk away."""
+    forward = engine.target.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    engine.target.forward = slow
+    return engine
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,7 +16,7 @@ import pytest
 import edgespec
 from edgespec.errors import EdgespecError
 from edgespec.server import create_app
-from tests.http_server import running
+from tests.http_server import running, slowed
 
 KEY = "sk-hostile-1"
 MODEL = "edgespec-demo"
@@ -32,17 +32,7 @@ def server(engine):
 
 @pytest.fixture(scope="module")
 def slow_server():
-    """The demo writes its whole context in a third of a second; a target slowed to
-    10 ms a pass (a bigger model's pace) leaves time to walk away mid-generation."""
-    engine = edgespec.load()
-    forward = engine.target.forward
-
-    def slow(*args, **kwargs):
-        time.sleep(0.01)
-        return forward(*args, **kwargs)
-
-    engine.target.forward = slow
-    with running(create_app(engine, MODEL, api_key=KEY)) as url:
+    with running(create_app(slowed(edgespec.load()), MODEL, api_key=KEY)) as url:
         yield url
 
 

@@ -1,0 +1,179 @@
+// edgespec's chat page: streams /v1/chat/completions and shows each answer's
+// speculative-decoding stats. Plain DOM, no dependencies; text is only ever set with
+// textContent, so nothing a model or a user writes is run as markup.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const KEY_STORE = "edgespec-api-key"; // this tab only: sessionStorage, not localStorage
+const state = { model: null, history: [], controller: null };
+
+function setBusy(busy) {
+  document.body.dataset.state = busy ? "streaming" : "idle";
+  $("send").disabled = busy;
+  $("stop").disabled = !busy;
+}
+
+function showError(message) {
+  $("error").textContent = message;
+  $("error").hidden = !message;
+}
+
+function addMessage(role, text) {
+  const box = document.createElement("div");
+  box.className = `message ${role}`;
+  const who = document.createElement("div");
+  who.className = "who";
+  who.textContent = role;
+  const body = document.createElement("div");
+  body.className = "text";
+  body.textContent = text;
+  box.append(who, body);
+  $("log").append(box);
+  box.scrollIntoView({ block: "end" });
+  return box;
+}
+
+function statsLine(s) {
+  let line = `${s.new_tokens} tokens · ${s.tokens_per_second.toFixed(1)} tok/s · ` +
+    `${s.tokens_per_target_pass.toFixed(2)} tokens/pass`;
+  if (s.mode !== "ar") line += ` · acceptance ${Math.round(100 * s.acceptance_rate)}%`;
+  return `${line} [${s.mode}, ${s.device}]`;
+}
+
+function headers() {
+  const h = { "Content-Type": "application/json" };
+  const key = $("api-key").value.trim();
+  if (key) h.Authorization = `Bearer ${key}`;
+  return h;
+}
+
+async function errorText(response) {
+  try {
+    const body = await response.json();
+    if (response.status === 401) return "This server needs its API key: enter it above.";
+    return body.error ? body.error.message : `HTTP ${response.status}`;
+  } catch {
+    return `HTTP ${response.status}`;
+  }
+}
+
+// Server-sent events: "data: {json}" blocks separated by a blank line.
+async function* events(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const block = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      for (const line of block.split("\n")) {
+        if (!line.startsWith("data: ")) continue;
+        const data = line.slice(6);
+        if (data === "[DONE]") return;
+        yield JSON.parse(data);
+      }
+    }
+  }
+}
+
+async function ask(text) {
+  showError("");
+  state.history.push({ role: "user", content: text });
+  addMessage("user", text);
+  const box = addMessage("assistant", "");
+  const body = box.querySelector(".text");
+  const stats = document.createElement("div");
+  stats.className = "stats";
+  box.append(stats);
+  box.dataset.chunks = "0";
+  const request = {
+    model: state.model, messages: state.history, stream: true,
+    temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
+    mode: $("mode").value,
+  };
+  state.controller = new AbortController();
+  setBusy(true);
+  try {
+    const response = await fetch("/v1/chat/completions", {
+      method: "POST", headers: headers(), body: JSON.stringify(request),
+      signal: state.controller.signal,
+    });
+    if (!response.ok) throw new Error(await errorText(response));
+    for await (const chunk of events(response)) {
+      if (chunk.error) throw new Error(chunk.error.message);
+      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+      if (delta && delta.content) {
+        body.textContent += delta.content;
+        box.dataset.chunks = String(Number(box.dataset.chunks) + 1);
+        box.scrollIntoView({ block: "end" });
+      }
+      if (chunk.edgespec) stats.textContent = statsLine(chunk.edgespec);
+    }
+    state.history.push({ role: "assistant", content: body.textContent });
+  } catch (e) {
+    if (e.name === "AbortError") {
+      stats.textContent = "stopped";
+      stats.classList.add("stopped");
+      state.history.push({ role: "assistant", content: body.textContent });
+    } else {
+      state.history.pop();
+      box.remove();
+      showError(e.message);
+    }
+  } finally {
+    state.controller = null;
+    setBusy(false);
+  }
+}
+
+async function connect() {
+  try {
+    const response = await fetch("/health", { headers: headers() });
+    const health = await response.json();
+    state.model = health.model;
+    $("model").textContent = `${health.model} on ${health.device}`;
+    const spec = $("mode").querySelector("option[value=spec]");
+    spec.disabled = !health.draft;
+    $("mode").value = health.default_mode;
+    $("key-label").hidden = !health.auth;
+    if (health.auth && !$("api-key").value) showError("This server needs its API key: enter it above.");
+  } catch (e) {
+    showError(`cannot reach the server (${e.message})`);
+  }
+}
+
+function init() {
+  $("api-key").value = sessionStorage.getItem(KEY_STORE) || "";
+  $("api-key").addEventListener("change", () => {
+    sessionStorage.setItem(KEY_STORE, $("api-key").value.trim());
+    showError("");
+  });
+  $("ask").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const text = $("prompt").value.trim();
+    if (!text || state.controller) return;
+    $("prompt").value = "";
+    ask(text);
+  });
+  $("prompt").addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && !event.shiftKey) {
+      event.preventDefault();
+      $("ask").requestSubmit();
+    }
+  });
+  $("stop").addEventListener("click", () => state.controller && state.controller.abort());
+  $("new-chat").addEventListener("click", () => {
+    if (state.controller) state.controller.abort();
+    state.history = [];
+    $("log").replaceChildren();
+    showError("");
+  });
+  setBusy(false);
+  connect();
+}
+
+document.addEventListener("DOMContentLoaded", init);

@@ -1,0 +1,138 @@
+"""The chat page that `edgespec serve` serves at /, in a real headless Chromium (Debian's
+chromium and chromium-driver, driven by selenium; nothing is downloaded at test time).
+
+A person's session: open the page, meet the API key prompt, type a question, watch the
+answer stream in with its stats, change mode and temperature, press Stop mid-answer.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+import edgespec
+from edgespec.server import create_app
+from tests.http_server import running, slowed
+
+KEY = "sk-web-42"
+MODEL = "edgespec-demo"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+QUESTION = "Write a Python function `add`: Add two numbers."
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
+        pytest.fail("the web page test needs Debian's chromium and chromium-driver: "
+                    "apt-get install -y chromium chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A target slowed to 10 ms a pass, so that Stop lands mid-answer."""
+    with running(create_app(slowed(edgespec.load()), MODEL, api_key=KEY)) as url:
+        yield url
+
+
+def wait(driver, condition, timeout=60):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: condition())
+
+
+def by_id(driver, name):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.ID, name)
+
+
+def answers(driver):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, ".message.assistant")
+
+
+def ask(driver, question):
+    from selenium.webdriver.common.keys import Keys
+
+    box = by_id(driver, "prompt")
+    box.send_keys(question)
+    box.send_keys(Keys.ENTER)
+
+
+def settings(driver, mode, temperature, max_tokens):
+    from selenium.webdriver.support.ui import Select
+
+    Select(by_id(driver, "mode")).select_by_value(mode)
+    for name, value in (("temperature", temperature), ("max-tokens", max_tokens)):
+        field = by_id(driver, name)
+        field.clear()
+        field.send_keys(str(value))
+
+
+def test_chat_page_streams_answers_with_stats_and_stops(browser, server, engine):
+    browser.get(server + "/")
+    wait(browser, lambda: "edgespec-demo on cpu" in by_id(browser, "model").text)
+    wait(browser, lambda: "API key" in by_id(browser, "error").text)  # it says what it needs
+
+    settings(browser, "spec", 0, 24)
+    ask(browser, QUESTION)  # without the key: refused, and the page says why
+    wait(browser, lambda: "API key" in by_id(browser, "error").text and
+         browser.find_element("css selector", "body").get_attribute("data-state") == "idle")
+    assert answers(browser) == []
+
+    by_id(browser, "api-key").send_keys(KEY)
+    by_id(browser, "prompt").click()  # the key field's change event stores it
+    ask(browser, QUESTION)
+    wait(browser, lambda: answers(browser) and "tok/s" in
+         answers(browser)[-1].find_element("css selector", ".stats").text)
+    answer = answers(browser)[-1]
+    want = engine.generate(engine.tokenizer.encode_chat(
+        [{"role": "user", "content": QUESTION}]), max_new_tokens=24, mode="ar")
+    assert answer.find_element("css selector", ".text").get_attribute("textContent") == want.text
+    assert int(answer.get_attribute("data-chunks")) > 1  # it arrived in pieces
+    stats = answer.find_element("css selector", ".stats").text
+    assert f"{len(want.token_ids)} tokens" in stats and "tokens/pass" in stats and "acceptance" in stats
+    assert "[spec, cpu]" in stats
+
+    settings(browser, "ar", 0.8, 2000)  # mode and temperature reach the server
+    before = httpx.get(f"{server}/health").json()
+    ask(browser, "Write a long Python module.")
+    wait(browser, lambda: len(answers(browser)) == 2 and
+         int(answers(browser)[-1].get_attribute("data-chunks")) >= 3)
+    by_id(browser, "stop").click()
+    wait(browser, lambda: answers(browser)[-1].find_element("css selector", ".stats").text
+         == "stopped")
+    wait(browser, lambda: not httpx.get(f"{server}/health").json()["busy"])
+    after = httpx.get(f"{server}/health").json()
+    assert after["cancelled"] == before["cancelled"] + 1  # the server stopped generating
+
+    ask(browser, "and now?")  # the conversation goes on after a Stop
+    wait(browser, lambda: len(answers(browser)) == 3 and
+         "[ar, cpu]" in answers(browser)[-1].find_element("css selector", ".stats").text)
+
+
+def test_page_assets_ship_in_the_package():
+    from importlib.resources import files
+
+    web = files("edgespec") / "web"
+    assert {p.name for p in web.iterdir()} >= {"index.html", "app.js", "style.css"}
+    for name in ("index.html", "app.js", "style.css"):
+        text = (web / name).read_text()
+        assert "://" not in text  # no CDN, no remote fonts: it works offline
