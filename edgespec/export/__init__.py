@@ -6,6 +6,7 @@ import dataclasses
 import json
 import platform
 import shutil
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,10 +22,9 @@ from edgespec import __version__
 from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
-from edgespec.export.checkpoint import load_checkpoint
 from edgespec.export.graph import build_decoder, padded_head_dim, rows_of
-from edgespec.export.hub import resolve_checkpoint
 from edgespec.export.kv_quant import calibrate_target, kv_scales
+from edgespec.export.source import Source, open_source
 from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
 from edgespec.quant.blockwise import QuantizedWeight
 from edgespec.quant.vocab_trim import kept_tokens
@@ -68,18 +68,20 @@ def check_same_vocab(target: Path, draft: Path) -> None:
                         "same model family.")
 
 
-def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_size: int,
+def _export_model(source: Source, role: str, out: Path, precision: str, block_size: int,
                   accuracy_level: int, ep_profile: str, symmetric: bool,
                   progress: Progress, head_rows: np.ndarray | None = None,
                   nested: str | None = None,
                   draft_head_rows: np.ndarray | None = None,
                   kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None) -> ModelEntry:
-    task = progress.add_task(f"{role}: loading {ckpt_dir.name}", total=None)
-    adapter = adapter_for(load_checkpoint(ckpt_dir))
+    task = progress.add_task(f"{role}: loading {source.label}", total=None)
+    ckpt = source.load()
+    adapter = adapter_for(ckpt)
     spec = adapter.spec
     attention = PROFILE_ATTENTION[ep_profile]
-    if attention == "mha" and (spec.attn_softcap or any(spec.sliding_window)):
-        raise EdgespecError(f"{ckpt_dir}: the dml profile cannot express attention "
+    if attention == "mha" and (spec.attn_softcap or any(spec.sliding_window)
+                               or spec.local_inv_freq is not None):
+        raise EdgespecError(f"{source.name}: the dml profile cannot express attention "
                             "soft-capping or sliding windows yet; export with --ep-profile "
                             "cpu or cuda.")
     params = adapter.ckpt.num_params()
@@ -104,16 +106,18 @@ def _export_model(ckpt_dir: Path, role: str, out: Path, precision: str, block_si
                     all_tensors_to_one_file=True, location=f"{role}.onnx.data",
                     size_threshold=1024)
     progress.update(task, completed=spec.num_layers + 1, description=f"{role}: done")
+    if getattr(ckpt, "keep_codes", False) and ckpt.quantized and not nested:
+        precision = "gguf"  # every quantized tensor kept its own GGUF type
     return ModelEntry(
         graph=f"{role}.onnx", data_files=[f"{role}.onnx.data"],
         architecture=spec.architecture, precision=precision,
-        block_size=None if precision in ("fp32", "fp16") else block_size,
+        block_size=None if precision in ("fp32", "fp16", "gguf") else block_size,
         kv_dtype="int8" if kv_scales is not None else np.dtype(PROFILE_DTYPE[ep_profile]).name,
         compute_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
         vocab_size=rows_of(head), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
         head_dim=padded_head_dim(spec.head_dim) if attention == "gqa" else spec.head_dim,
-        max_positions=spec.max_positions, params=params, source=str(ckpt_dir),
+        max_positions=spec.max_positions, params=params, source=source.name,
         nested="target" if nested == "shared" else "")
 
 
@@ -149,7 +153,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
            ep_profile: str = "cpu", accuracy_level: int = 4, symmetric: bool = True,
            vocab_trim: int | None = None, trim_source: str = "target",
            trim_prompts: list[str] | None = None, kv_cache: str = "float",
-           overwrite: bool = False,
+           overwrite: bool = False, requantize: bool = False,
            trust_remote_code: bool = False, console: Console | None = None) -> Manifest:
     """Export a target (and optionally a draft) checkpoint into a bundle at `out`.
 
@@ -167,6 +171,9 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     or a built-in set) or in a corpus (`trim_source="corpus:PATH"`).
     `kv_cache="int8"` stores both models' KV caches as int8 codes with per-channel scales
     calibrated on the built-in prompts and the target's own continuations.
+    A GGUF file (target or draft) keeps every quantized tensor's own type, encoded so the
+    effective weights are exactly llama.cpp's; its float tensors follow `precision`.
+    `requantize=True` dequantizes them instead and quantizes everything to `precision`.
     """
     console = console or Console(stderr=True)
     draft_precision = draft_precision or precision
@@ -193,34 +200,39 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     if kv_cache == "int8" and ep_profile == "dml":
         raise EdgespecError("an int8 KV cache needs GroupQueryAttention: use the cpu or cuda "
                             "profile.")
-    target_dir = resolve_checkpoint(target, trust_remote_code)
-    draft_dir = resolve_checkpoint(draft, trust_remote_code) if draft and not nested else None
-    for d in (target_dir, draft_dir):
-        if d and not (d / "config.json").is_file():
-            raise EdgespecError(f"{d} has no config.json; pass a Hugging Face checkpoint "
-                                "directory or a Hub id.")
-    if draft_dir:
-        check_same_vocab(target_dir, draft_dir)
-    if not (target_dir / "tokenizer.json").is_file():
-        raise EdgespecError(f"{target_dir} has no tokenizer.json; edgespec needs a fast "
-                            "tokenizer next to the weights.")
-    gen_cfg = {}
-    if (target_dir / "generation_config.json").is_file():
-        gen_cfg = json.loads((target_dir / "generation_config.json").read_text())
-    config = json.loads((target_dir / "config.json").read_text())
-    eos = gen_cfg.get("eos_token_id", config.get("eos_token_id"))
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    with tempfile.TemporaryDirectory(prefix="edgespec-source-") as scratch:
+        target_src = open_source(target, Path(scratch) / "target", trust_remote_code,
+                                 keep_codes=not requantize)
+        draft_src = (open_source(draft, Path(scratch) / "draft", trust_remote_code,
+                                 keep_codes=not requantize) if draft and not nested else None)
+        if draft_src:
+            check_same_vocab(target_src.tokenizer_dir, draft_src.tokenizer_dir)
+        manifest, sizes = _write(target_src, draft_src, out, precision, draft_precision,
+                                 block_size, ep_profile, accuracy_level, symmetric, nested,
+                                 vocab_trim, trim_source, trim_prompts, kv_cache, overwrite,
+                                 console)
+    _summary(console, manifest, sizes, time.time() - start, Path(out))
+    return manifest
 
+
+def _write(target_src: Source, draft_src: Source | None, out: str | Path, precision: str,
+           draft_precision: str, block_size: int, ep_profile: str, accuracy_level: int,
+           symmetric: bool, nested: bool, vocab_trim: int | None, trim_source: str,
+           trim_prompts: list[str] | None, kv_cache: str, overwrite: bool,
+           console: Console) -> tuple[Manifest, dict[str, int]]:
+    """Build every graph and file of the bundle in a temporary directory, then move it
+    into place (write_bundle)."""
+    target_dir, eos_ids = target_src.tokenizer_dir, target_src.eos_ids
     columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     try:
         with write_bundle(out, overwrite) as (tmp, finish), Progress(
                 *columns, console=console, transient=True) as progress:
-            target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
+            target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, symmetric, progress,
                                          nested="shared" if nested else None)
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
-                    if (draft_dir or nested) and vocab_trim else None)
+                    if (draft_src or nested) and vocab_trim else None)
             if kept is not None:
                 np.save(tmp / "draft_vocab.npy", kept)
             sequences = target_scales = None
@@ -231,19 +243,19 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                     default_prompts())
                 progress.update(task, total=1, completed=1)
             if target_scales is not None or (kept is not None and nested):
-                target_entry = _export_model(target_dir, "target", tmp, precision, block_size,
+                target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                              accuracy_level, ep_profile, symmetric, progress,
                                              nested="shared" if nested else None,
                                              draft_head_rows=kept if nested else None,
                                              kv_scales=target_scales)
             draft_entry = None
-            if draft_dir:
-                draft_entry = _export_model(draft_dir, "draft", tmp, draft_precision,
+            if draft_src:
+                draft_entry = _export_model(draft_src, "draft", tmp, draft_precision,
                                             block_size, accuracy_level, ep_profile, symmetric,
                                             progress, head_rows=kept)
             if draft_entry and sequences is not None:  # the draft meets the target's text
                 draft_entry = _export_model(
-                    draft_dir, "draft", tmp, draft_precision, block_size, accuracy_level,
+                    draft_src, "draft", tmp, draft_precision, block_size, accuracy_level,
                     ep_profile, symmetric, progress, head_rows=kept,
                     kv_scales=kv_scales(tmp / draft_entry.graph, draft_entry, sequences))
             if nested:  # the same graph and weights, read without the residual
@@ -257,12 +269,15 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                 target=target_entry, draft=draft_entry, ep_profile=ep_profile,
                 tokenizer_files=tok_files, eos_token_ids=eos_ids,
                 vocab_map="draft_vocab.npy" if kept is not None else None,
-                bos_token_id=gen_cfg.get("bos_token_id", config.get("bos_token_id")),
+                bos_token_id=target_src.bos_id,
                 provenance={"edgespec": __version__, "onnx": onnx.__version__,
                             "onnxruntime": onnxruntime.__version__,
                             "python": platform.python_version(),
                             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                            "target": str(target), "draft": str(draft) if draft else None,
+                            "target": target_src.name,
+                            "draft": draft_src.name if draft_src else ("nested" if nested
+                                                                       else None),
+                            "source_format": target_src.kind,
                             "nested": "4+4" if nested else None,
                             "accuracy_level": accuracy_level, "symmetric": symmetric,
                             "kv_cache": kv_cache,
@@ -272,8 +287,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     except OSError as e:  # disk full, permissions, a vanished directory
         raise EdgespecError(f"could not write the bundle {out} ({e.strerror or e}); nothing "
                             "was left behind, free space or choose another --out.") from None
-    _summary(console, manifest, sizes, time.time() - start, Path(out))
-    return manifest
+    return manifest, sizes
 
 
 def _summary(console: Console, manifest: Manifest, sizes: dict[str, int], seconds: float,

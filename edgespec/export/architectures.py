@@ -77,18 +77,26 @@ def fuse(parts: list[Weight]) -> Weight | list[Weight]:
 
     def layout(q: QuantizedWeight) -> tuple:
         stored = {k: tuple(a.shape[1:] + (a.dtype,) for a in v)
-                  for k, v in (q.stored or {}).items()}
+                  for k, v in (q.stored or {}).items() if k != "centre"}
         return q.bits, q.block_size, q.k, q.mins is None, stored
 
     if any(layout(p) != layout(first) for p in parts):
         return parts
-    join = np.concatenate
+
+    def join(arrays: list[np.ndarray]) -> np.ndarray:
+        """Stored factors along rows; one centre for all (a scalar) stays one where the
+        parts agree."""
+        if all(a.ndim == 0 for a in arrays) and len({int(a) for a in arrays}) == 1:
+            return arrays[0]
+        return np.concatenate([np.broadcast_to(a, (p.n * p.packed.shape[1],)) if a.ndim == 0
+                               else a for a, p in zip(arrays, parts, strict=True)])
+    cat = np.concatenate
     return QuantizedWeight(
-        packed=join([p.packed for p in parts]), scales=join([p.scales for p in parts]),
-        zero_points=join([p.zero_points for p in parts]), bits=first.bits,
+        packed=cat([p.packed for p in parts]), scales=cat([p.scales for p in parts]),
+        zero_points=cat([p.zero_points for p in parts]), bits=first.bits,
         block_size=first.block_size, n=sum(p.n for p in parts), k=first.k,
         symmetric=all(p.symmetric for p in parts),
-        mins=None if first.mins is None else join([p.mins for p in parts]),
+        mins=None if first.mins is None else cat([p.mins for p in parts]),
         stored={k: tuple(join([p.stored[k][i] for p in parts]) for i in range(len(v)))
                 for k, v in first.stored.items()} if first.stored else None)
 
@@ -177,7 +185,10 @@ class LlamaAdapter:
         return self.ckpt.linear(name)
 
     def embeddings(self) -> Weight:
-        return self.linear("model.embed_tokens.weight")
+        """One object per export, so a tied head *is* the embedding (stored once)."""
+        if not hasattr(self, "_embeddings"):
+            self._embeddings = self.linear("model.embed_tokens.weight")
+        return self._embeddings
 
     def norm(self, name: str) -> np.ndarray:
         return self.get(name)

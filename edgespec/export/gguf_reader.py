@@ -125,7 +125,7 @@ def _unpermute(rows: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k permutation (rows regrouped for interleaved RoPE): rows are
     output features, so quantized rows move whole and stay exact."""
     n = rows.shape[0]
-    return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(
         rows.shape)
 
 

@@ -21,8 +21,16 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from edgespec.errors import EdgespecError
 
@@ -185,7 +193,7 @@ def write_tokenizer(reader: Any, arch: str, path: Path, out: Path) -> list[int]:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
             special_tokens=[(bos, meta["bos_id"])])
-    tok.save(str(out / "tokenizer.json"))
+    tok.save(str(out / "tokenizer.json"), pretty=False)  # 32 MB pretty for Gemma, 13 compact
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos,
               "eos_token": eos, "unk_token": name(meta["unk_id"]),
               "pad_token": name(meta["pad_id"]), "add_bos_token": bool(add_bos and bos),

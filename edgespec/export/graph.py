@@ -186,32 +186,78 @@ class GraphBuilder:
         return [self.linear(x, weight, name)]
 
     def rebuilt(self, store: str, kind: str, q: QuantizedWeight) -> str:
-        """`q.scales` or `q.mins` (float32, [N * n_blocks]) as a tensor of the compute
-        dtype. Where the source says how it stores them (GGUF: float16, or float16 times
-        small integers), those are the constants and the float32 values are computed at
-        session load (ONNX Runtime folds constant subgraphs), exactly, as gguf-py does."""
-        return self.once(f"{store}.{kind}", lambda: self._rebuild(f"{store}.{kind}", kind, q))
+        """`q.scales` or `q.mins` ([N * n_blocks]) as a tensor of the compute dtype. Where
+        the source says how it stores them (GGUF: float16, or float16 times small
+        integers), those are the constants and the float32 values are computed at session
+        load (ONNX Runtime folds constant subgraphs), exactly as gguf-py computes them."""
+        key = f"{store}.{kind}"
+        if kind not in (q.stored or {}):
+            return self.fconst(key, getattr(q, kind))
+        if self.dtype == np.float32:
+            return self.rebuilt32(store, kind, q)
+        return self.once(key, lambda: self.node("Cast", [self.rebuilt32(store, kind, q)],
+                                                [f"{key}.c"], f"{key}.c", to=self.onnx_dtype)[0])
 
-    def _rebuild(self, key: str, kind: str, q: QuantizedWeight) -> str:
-        parts = (q.stored or {}).get(kind)
-        if parts is None:
-            out = self.fconst(key, getattr(q, kind))
-        else:
+    def rebuilt32(self, store: str, kind: str, q: QuantizedWeight) -> str:
+        """The float32 value of stored scales or minimums (see `rebuilt`)."""
+        key = f"{store}.{kind}"
+
+        def make() -> str:
             factors = [self.node("Cast", [self.const(f"{key}.{i}", p)], [f"{key}.{i}.f"],
                                  f"{key}.{i}.cast", to=TensorProto.FLOAT)[0]
-                       for i, p in enumerate(parts)]
+                       for i, p in enumerate(q.stored[kind])]
             out = factors[0]
             for i, f in enumerate(factors[1:]):
                 out = self.node("Mul", [out, f], [f"{key}.mul{i}"], f"{key}.mul{i}")[0]
             out = self.node("Reshape", [out, self.const("i64.flat", np.array([-1], np.int64))],
                             [f"{key}.flat"], f"{key}.flat")[0]
-            if self.dtype != np.float32:
-                out = self.node("Cast", [out], [f"{key}.c"], f"{key}.c", to=self.onnx_dtype)[0]
-        return out
+            if kind == "mins" and "centre" in q.stored:  # m' = m + c·s (see gguf_codes)
+                (centre,) = q.stored["centre"]
+                c = self.node("Cast", [self.const(f"{key}.centre", centre.reshape(
+                    -1) if centre.ndim else centre)], [f"{key}.centre.f"], f"{key}.centre.f",
+                    to=TensorProto.FLOAT)[0]
+                cs = self.node("Mul", [c, self.rebuilt32(store, "scales", q)], [f"{key}.cs"],
+                               f"{key}.cs")[0]
+                out = self.node("Add", [out, cs], [f"{key}.centred"], f"{key}.centred")[0]
+            return out
+
+        return self.once(f"{key}.f32", make)
+
+    def unpacked(self, packed: str, bits: int, shape: str, name: str) -> str:
+        """Codes packed `8 // bits` per byte (low bits first) -> one byte each, [.., shape]."""
+        shifts = self.const(f"shifts.{bits}", np.arange(0, 8, bits, dtype=np.uint8))
+        mask = self.const(f"mask.{bits}", np.array(2 ** bits - 1, np.uint8))
+        wide = self.node("Unsqueeze", [packed, self.const("i64.last", np.array([-1], np.int64))],
+                         [f"{name}.w"], f"{name}.w")[0]
+        shifted = self.node("BitShift", [wide, shifts], [f"{name}.s"], f"{name}.s",
+                            direction="RIGHT")[0]
+        codes = self.node("BitwiseAnd", [shifted, mask], [f"{name}.m"], f"{name}.m")[0]
+        return self.node("Reshape", [codes, shape], [f"{name}.g"], f"{name}.g")[0]
+
+    def codes(self, store: str, q: QuantizedWeight) -> str:
+        """MatMulNBits' B: the packed codes, or, for 5/6-bit values held in 8-bit codes,
+        their GGUF-sized low and high parts joined at session load."""
+        if "codes" not in (q.stored or {}):
+            return self.const(f"{store}.qweight", q.packed)
+
+        def make() -> str:
+            low, high = (self.const(f"{store}.qweight.{part}", a)
+                         for part, a in zip(("low", "high"), q.stored["codes"], strict=True))
+            high_bits = 8 * q.stored["codes"][1].shape[-1] // q.block_size
+            shape = self.const(f"{store}.qweight.shape", np.array(q.packed.shape, np.int64))
+            low = self.unpacked(low, 4, shape, f"{store}.qweight.low")
+            high = self.unpacked(high, high_bits, shape, f"{store}.qweight.high")
+            high = self.node("BitShift", [high, self.const("four.u8", np.array(4, np.uint8))],
+                             [f"{store}.qweight.hs"], f"{store}.qweight.hs",
+                             direction="LEFT")[0]
+            return self.node("BitwiseOr", [low, high], [f"{store}.qweight"],
+                             f"{store}.qweight")[0]
+
+        return self.once(f"{store}.qweight", make)
 
     def _nbits(self, x: str, q: QuantizedWeight, name: str, store: str | None = None) -> str:
         store = store or name
-        inputs = [x, self.const(f"{store}.qweight", q.packed), self.rebuilt(store, "scales", q)]
+        inputs = [x, self.codes(store, q), self.rebuilt(store, "scales", q)]
         if self.zero_points or not q.symmetric:
             inputs.append(self.const(f"{store}.zp", q.packed_zero_points()))
         y = self.node("MatMulNBits", inputs, [f"{name}.out"], name, domain=MS,
@@ -242,19 +288,14 @@ class GraphBuilder:
         stored once): S rows gathered, unpacked and dequantized, ((u - z) · s + m) as
         `dequantize` computes it."""
         nb, block = q.packed.shape[1], q.block_size
-        codes = self.node("Gather", [self.const(f"{store}.qweight", q.packed), ids],
+        codes = self.node("Gather", [self.codes(store, q), ids],
                           [f"{store}.rows"], f"{store}.rows")[0]  # [1, S, nb, bytes]
-        if q.bits < 8:
-            shifts = self.const(f"shifts.{q.bits}", np.arange(0, 8, q.bits, dtype=np.uint8))
-            mask = self.const(f"mask.{q.bits}", np.array(2 ** q.bits - 1, np.uint8))
-            wide = self.node("Unsqueeze", [codes, self.const("i64.last", np.array(
-                [-1], np.int64))], [f"{store}.rows.w"], f"{store}.rows.w")[0]
-            shifted = self.node("BitShift", [wide, shifts], [f"{store}.rows.s"],
-                                f"{store}.rows.s", direction="RIGHT")[0]
-            codes = self.node("BitwiseAnd", [shifted, mask], [f"{store}.rows.m"],
-                              f"{store}.rows.m")[0]
         grid = self.const(f"blocks.{nb}x{block}", np.array([1, -1, nb, block], np.int64))
-        codes = self.node("Reshape", [codes, grid], [f"{store}.rows.g"], f"{store}.rows.g")[0]
+        if q.bits < 8:
+            codes = self.unpacked(codes, q.bits, grid, f"{store}.rows")
+        else:
+            codes = self.node("Reshape", [codes, grid], [f"{store}.rows.g"],
+                              f"{store}.rows.g")[0]
         w = self.node("Cast", [codes], [f"{store}.rows.f"], f"{store}.rows.f",
                       to=TensorProto.FLOAT)[0]
         if np.all(q.zero_points == q.zero_points.flat[0]):

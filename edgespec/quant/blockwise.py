@@ -41,7 +41,9 @@ class QuantizedWeight:
     symmetric: bool = True  # zero point 2**(bits-1) everywhere: MatMulNBits' implicit one
     mins: np.ndarray | None = None  # float32 [N * n_blocks], added to every weight of a block
     # how `scales`/`mins` are stored: (float16 [N, G, 1],) or (float16 [N, G, 1], int [N, G, P])
-    # whose float32 product, flattened, equals them exactly (G * P = n_blocks)
+    # whose float32 product, flattened, is the source's value (G * P = n_blocks); "centre":
+    # (zero point per block, or one for all,) with mins = product + centre · scales;
+    # "codes": (4-bit low parts, packed high parts) of 8-bit codes holding 5/6-bit values
     stored: dict[str, tuple[np.ndarray, ...]] | None = None
 
     def packed_zero_points(self) -> np.ndarray:
@@ -51,7 +53,8 @@ class QuantizedWeight:
     def rows(self, index: np.ndarray) -> QuantizedWeight:
         """The same encoding for a subset of output rows (a trimmed LM head)."""
         nb = self.packed.shape[1]
-        per_row = {key: tuple(part[index] for part in parts)
+        per_row = {key: tuple(part if part.ndim == 0 else part.reshape(
+            self.n, *((-1,) if key != "codes" else part.shape[1:]))[index] for part in parts)
                    for key, parts in (self.stored or {}).items()}
         flat = (np.asarray(index)[:, None] * nb + np.arange(nb)).reshape(-1)
         return dataclasses.replace(

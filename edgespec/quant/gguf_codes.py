@@ -42,24 +42,47 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
     return bits.reshape(*qh.shape[:-1], -1)[..., :count]
 
 
+def _product(parts: tuple) -> np.ndarray:
+    out = parts[0].astype(np.float32)
+    for p in parts[1:]:
+        out = out * p.astype(np.float32)
+    return out.reshape(-1)
+
+
 def _weight(codes: np.ndarray, bits: int, block: int, zero: int, scale_parts: tuple,
-            min_parts: tuple | None = None) -> QuantizedWeight:
+            min_parts: tuple | None = None, levels: int = 16,
+            high_bits: int = 0) -> QuantizedWeight:
     """Codes [N, n_blocks, block] and scale/min factors ([N, G, 1] float16, optionally
-    times [N, G, P] integers) -> the MatMulNBits weight."""
+    times [N, G, P] integers) -> the MatMulNBits weight.
+
+    Types with a minimum (w = s·u + m, codes u in [0, levels)) are re-centred: zero point
+    c = levels / 2 and minimum m' = m + c·s, so w = s·(u - c) + m' — the same weights, but
+    MatMulNBits' int8 activations then err on s·(u - c), not on the all-positive s·u the
+    separately added minimum cannot cancel (SmolLM2 Q4_1, KL to fp32 activations: 0.0168
+    uncentred, 0.0038 centred). A block keeps c = 0 where m + c·s would round in float32,
+    so the effective weights stay bitwise gguf-py's.
+    5- and 6-bit values (8-bit codes) are stored as 4-bit low parts and `high_bits`-bit
+    high parts, as GGUF packs them, and widened to bytes at session load.
+    """
     n, nb = codes.shape[:2]
-
-    def value(parts: tuple) -> np.ndarray:
-        out = parts[0].astype(np.float32)
-        for p in parts[1:]:
-            out = out * p.astype(np.float32)
-        return out.reshape(-1)
-
+    scales = _product(scale_parts)
+    stored: dict[str, tuple] = {"scales": scale_parts}
+    if high_bits:
+        stored["codes"] = (pack_rows(codes & 0x0F, 4), pack_rows(codes >> 4, high_bits))
+    zeros, mins = np.full(n * nb, zero, np.uint8), None
+    if min_parts is not None:
+        base, c = _product(min_parts), levels // 2
+        mins = (base + np.float32(c) * scales).astype(np.float32)
+        exact = mins.astype(np.float64) == base.astype(np.float64) + c * scales.astype(
+            np.float64)
+        mins = np.where(exact, mins, base)
+        zeros = np.where(exact, c, 0).astype(np.uint8)
+        centre = (np.array(c, np.uint8),) if exact.all() else (zeros,)
+        stored.update(mins=min_parts, centre=centre)
     return QuantizedWeight(
-        packed=pack_rows(codes.astype(np.uint8), bits), scales=value(scale_parts),
-        zero_points=np.full((n, nb), zero, np.uint8), bits=bits, block_size=block, n=n,
-        k=nb * block, symmetric=zero == 2 ** (bits - 1),
-        mins=None if min_parts is None else value(min_parts),
-        stored={"scales": scale_parts, **({"mins": min_parts} if min_parts else {})})
+        packed=pack_rows(codes.astype(np.uint8), bits), scales=scales,
+        zero_points=zeros.reshape(n, nb), bits=bits, block_size=block, n=n, k=nb * block,
+        symmetric=bool(np.all(zeros == 2 ** (bits - 1))), mins=mins, stored=stored)
 
 
 def q8_0(blocks: np.ndarray) -> QuantizedWeight:  # d f16, int8 q[32]; w = d·q
@@ -77,12 +100,13 @@ def q4_1(blocks: np.ndarray) -> QuantizedWeight:  # d, m, qs[16]; w = d·q + m
 
 def q5_0(blocks: np.ndarray) -> QuantizedWeight:  # d, qh[4], qs[16]; w = d·(q - 16)
     codes = _nibbles(blocks[..., 6:]) | (_high_bits(blocks[..., 2:6], 32) << 4)
-    return _weight(codes, 8, 32, 16, (_f16(blocks, 0),))
+    return _weight(codes, 8, 32, 16, (_f16(blocks, 0),), high_bits=1)
 
 
 def q5_1(blocks: np.ndarray) -> QuantizedWeight:  # d, m, qh[4], qs[16]; w = d·q + m
     codes = _nibbles(blocks[..., 8:]) | (_high_bits(blocks[..., 4:8], 32) << 4)
-    return _weight(codes, 8, 32, 0, (_f16(blocks, 0),), (_f16(blocks, 2),))
+    return _weight(codes, 8, 32, 0, (_f16(blocks, 0),), (_f16(blocks, 2),), levels=32,
+                   high_bits=1)
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -101,23 +125,24 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
         *qs.shape[:-1], 8, 32)
 
 
-def _k_weight(blocks: np.ndarray, codes: np.ndarray, bits: int) -> QuantizedWeight:
+def _k_weight(blocks: np.ndarray, codes: np.ndarray, bits: int, levels: int,
+              high_bits: int = 0) -> QuantizedWeight:
     """Q4_K/Q5_K: w = (d·sc)·q - dmin·mn per 32-value sub-block."""
     n, g = blocks.shape[:2]
     sc, mn = _k_scales(blocks[..., 4:16])
     neg_dmin = -_f16(blocks, 2)  # -(dmin·mn) == (-dmin)·mn exactly
     return _weight(codes.reshape(n, g * 8, 32), bits, 32, 0, (_f16(blocks, 0), sc),
-                   (neg_dmin, mn))
+                   (neg_dmin, mn), levels, high_bits)
 
 
 def q4_k(blocks: np.ndarray) -> QuantizedWeight:  # d, dmin, scales[12], qs[128]
-    return _k_weight(blocks, _k_low_nibbles(blocks[..., 16:]), 4)
+    return _k_weight(blocks, _k_low_nibbles(blocks[..., 16:]), 4, 16)
 
 
 def q5_k(blocks: np.ndarray) -> QuantizedWeight:  # d, dmin, scales[12], qh[32], qs[128]
     qh = blocks[..., 16:48]
     high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., 8, 32]
-    return _k_weight(blocks, _k_low_nibbles(blocks[..., 48:]) | (high << 4), 8)
+    return _k_weight(blocks, _k_low_nibbles(blocks[..., 48:]) | (high << 4), 8, 32, 1)
 
 
 def q6_k(blocks: np.ndarray) -> QuantizedWeight:  # ql[128], qh[64], int8 sc[16], d
@@ -129,7 +154,7 @@ def q6_k(blocks: np.ndarray) -> QuantizedWeight:  # ql[128], qh[64], int8 sc[16]
     qh = (qh & 0x03).reshape(n, g, 8, 32)
     codes = (ql | (qh << 4)).reshape(n, g * 16, 16)  # q + 32
     sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)
-    return _weight(codes, 8, 16, 32, (_f16(blocks, 208), sc))
+    return _weight(codes, 8, 16, 32, (_f16(blocks, 208), sc), high_bits=2)
 
 
 ENCODINGS: dict[GGMLQuantizationType, Callable[[np.ndarray], QuantizedWeight]] = {
