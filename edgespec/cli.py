@@ -19,8 +19,18 @@ from edgespec.runtimes.providers import DEVICES
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-model_option = click.option("--model", "model", type=click.Path(path_type=Path),
-                            help="Bundle directory (default: the embedded demo bundle).")
+model_option = click.option(
+    "--model", "model",
+    help="A bundle, a .gguf file, a Hugging Face checkpoint directory or a Hub id (exported "
+         "once into the cache; default: the embedded demo bundle).")
+
+
+def open_model(model: str | None, runtime: dict) -> Any:
+    """The engine for what --model names (see edgespec.model_cache)."""
+    from edgespec import load
+    from edgespec.model_cache import resolve_model
+
+    return load(resolve_model(model, err), **runtime)
 
 
 def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -62,8 +72,8 @@ def runtime_options(command: Callable) -> Callable:
         wrapper = option(wrapper)
     return wrapper
 mode_option = click.option("--mode", type=click.Choice(["ar", "spec", "lookup"]),
-                           default="spec", show_default=True,
-                           help="ar: target alone; spec: draft model speculation; "
+                           help="ar: target alone; spec: draft model speculation (the "
+                                "default when the bundle has a draft, else ar); "
                                 "lookup: prompt-lookup drafting.")
 
 
@@ -84,14 +94,17 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("target")
-@click.option("--draft", help="Draft checkpoint directory or Hub id (same tokenizer), or "
-                             "'nested': BitNest, the 4-bit base of the target's own codes.")
+@click.option("--draft", help="Draft .gguf file, checkpoint directory or Hub id (same "
+                             "tokenizer), or 'nested': BitNest, the 4-bit base of the "
+                             "target's own codes.")
 @click.option("--nest", type=click.Choice(["4+4"]), default="4+4", show_default=True,
               help="With --draft nested: base bits + residual bits.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
               help="Bundle directory to create.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int4", "int2"]),
-              default="int8", show_default=True, help="Target weight precision.")
+              default="int8", show_default=True,
+              help="Target weight precision (a GGUF file's quantized tensors keep their own "
+                   "types unless --requantize).")
 @click.option("--draft-precision", type=click.Choice(["fp32", "fp16", "int8", "int4", "int2"]),
               help="Draft weight precision (default: --precision).")
 @click.option("--block-size", type=click.Choice(["32", "64", "128"]), default="32",
@@ -112,13 +125,16 @@ def cli() -> None:
               show_default=True,
               help="int8: KV cache as int8 codes with calibrated per-channel scales (a "
                    "quarter of fp32's memory, same speed).")
+@click.option("--requantize", is_flag=True,
+              help="GGUF: dequantize every tensor and quantize it anew to --precision.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow downloading model code files.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
 def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
            draft_precision: str | None, block_size: str, ep_profile: str, accuracy_level: str,
            quant: str, vocab_trim: int | None, trim_source: str, kv_cache: str,
-           trust_remote_code: bool, overwrite: bool) -> None:
-    """Export a Hugging Face TARGET (directory or Hub id) and a draft into a bundle."""
+           requantize: bool, trust_remote_code: bool, overwrite: bool) -> None:
+    """Export a TARGET (a .gguf file, a Hugging Face checkpoint directory or a Hub id) and
+    a draft into a bundle."""
     from edgespec.export import export as run_export
 
     for source in (target, draft):
@@ -133,7 +149,7 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
                draft_precision=draft_precision, block_size=int(block_size),
                ep_profile=ep_profile, accuracy_level=int(accuracy_level),
                symmetric=quant == "sym", vocab_trim=vocab_trim, trim_source=trim_source,
-               kv_cache=kv_cache, overwrite=overwrite,
+               kv_cache=kv_cache, overwrite=overwrite, requantize=requantize,
                trust_remote_code=trust_remote_code, console=err)
 
 
@@ -175,14 +191,16 @@ def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
               default="none", show_default=True,
               help="End a chain early when the draft is unsure (confidence < 0.4, or SVIP).")
 @runtime_options
+@click.option("--chat", "as_chat", is_flag=True,
+              help="PROMPT is a user message: answer it through the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temperature: float,
+def generate(prompt: str | None, model: str | None, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...], mode: str,
              draft_tokens: int,
              tree_budget: int, adaptive: bool, stop_rule: str, runtime: dict,
-             as_json: bool) -> None:
-    """Continue PROMPT (or stdin) with the model."""
-    from edgespec.engine import GenerationConfig, load
+             as_chat: bool, as_json: bool) -> None:
+    """Continue PROMPT (or stdin) with the model, or answer it (--chat)."""
+    from edgespec.engine import GenerationConfig
 
     if prompt is None:
         if sys.stdin.isatty():
@@ -192,17 +210,20 @@ def generate(prompt: str | None, model: Path | None, max_new_tokens: int, temper
         except UnicodeDecodeError as e:
             raise EdgespecError(f"stdin is not UTF-8 text (byte {e.start}); give the prompt "
                                 "as text.") from None
-    engine = load(model, **runtime)
+    engine = open_model(model, runtime)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop), mode=mode,
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
                               adaptive=adaptive, stop_rule=stop_rule)
     config.validate(engine.draft is not None)
-    ids = engine.encode_prompt(prompt)  # a prompt that cannot run is refused before it is echoed
+    # a prompt that cannot run is refused before it is echoed
+    ids = engine.encode_prompt(engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+                               if as_chat else prompt)
     if as_json:
         click.echo(json.dumps(engine.generate(ids, config).to_dict()))
         return
-    click.echo(prompt, nl=False)
+    if not as_chat:
+        click.echo(prompt, nl=False)
     record = None
     for record in engine.records(ids, config):
         click.echo(record.text, nl=False)
@@ -242,7 +263,7 @@ CHAT_HELP = ("commands: /reset (new conversation), /stats (last answer's numbers
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
 @click.option("--max-new-tokens", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--no-stats", is_flag=True, help="Do not print a stats line after each answer.")
-def chat(model: Path | None, runtime: dict, mode: str, temperature: float,
+def chat(model: str | None, runtime: dict, mode: str, temperature: float,
          max_new_tokens: int, no_stats: bool) -> None:
     """Chat in the terminal with the bundle's chat template.
 
@@ -251,11 +272,10 @@ def chat(model: Path | None, runtime: dict, mode: str, temperature: float,
     """
     import signal
 
-    from edgespec.engine import MODES, GenerationConfig, load
+    from edgespec.engine import MODES, GenerationConfig
 
-    engine = load(model, **runtime)
-    if mode == "spec" and engine.draft is None:
-        mode = "ar"
+    engine = open_model(model, runtime)
+    mode = mode or engine.default_mode
     history: list[dict[str, str]] = []
     settings = {"mode": mode, "temperature": temperature, "statsline": not no_stats}
     last = None
@@ -334,13 +354,12 @@ def chat(model: Path | None, runtime: dict, mode: str, temperature: float,
               help="Also answer requests whose Host is this name (repeatable; '*': any). "
                    "IP addresses and localhost are always answered.")
 @runtime_options
-def serve(model: Path | None, host: str, port: int, api_key: str | None,
+def serve(model: str | None, host: str, port: int, api_key: str | None,
           allowed_hosts: tuple[str, ...], runtime: dict) -> None:
     """Serve an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions) and a
     chat page at /."""
     import ipaddress
 
-    from edgespec.engine import load
     from edgespec.http_guard import check_api_key
     from edgespec.server import serve as run_server
 
@@ -359,8 +378,8 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None,
         err.print(f"[yellow]warning:[/yellow] {escape(host)} is reachable from other "
                   "machines and no API key is set: anyone who can reach this port can use "
                   "the model; set EDGESPEC_API_KEY.")
-    engine = load(model, **runtime)
-    model_id = model.resolve().name if model else "edgespec-demo"
+    engine = open_model(model, runtime)
+    model_id = Path(model).name if model else "edgespec-demo"
     err.print(f"serving {model_id} on http://{host}:{port}/ (chat page) and /v1 "
               f"({engine.devices})")
     run_server(engine, model_id, host, port, api_key, allowed_hosts)
@@ -374,15 +393,14 @@ def serve(model: Path | None, host: str, port: int, api_key: str | None,
 @click.option("--limit", type=click.IntRange(min=1), help="Use only the first N prompts.")
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="0: greedy (outputs checked against AR); > 0: seeded sampling.")
-def bench(model: Path | None, runtime: dict, as_json: bool, max_new_tokens: int,
+def bench(model: str | None, runtime: dict, as_json: bool, max_new_tokens: int,
           limit: int | None, temperature: float) -> None:
     """Benchmark every decoding mode on the shipped prompt set (50 prompts, 5 categories)."""
     from rich.progress import Progress
 
     from edgespec.bench import print_table, run_bench
-    from edgespec.engine import load
 
-    engine = load(model, **runtime)
+    engine = open_model(model, runtime)
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("benchmarking", total=None)
         report = run_bench(engine, max_new_tokens, limit,

@@ -63,7 +63,7 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    mode: str = "spec"
+    mode: str | None = None  # None: the best lossless mode the bundle has (Engine.default_mode)
     draft_tokens: int = 4  # γ, the chain length per target pass (the maximum if adaptive)
     adaptive: bool = False  # tune γ per pass from measured acceptance and costs
     stop_rule: str = "none"  # "confidence" or "entropy": end a chain when the draft is unsure
@@ -77,7 +77,7 @@ class GenerationConfig:
     logprobs: int | None = None  # report each token's target logprob and this many others
 
     def validate(self, has_draft: bool) -> None:
-        if self.mode not in MODES:
+        if self.mode is not None and self.mode not in MODES:  # None: Engine.default_mode
             raise EdgespecError(f"unknown mode '{self.mode}'; choose one of {', '.join(MODES)}.")
         if self.mode == "spec" and not has_draft:
             raise EdgespecError("this bundle has no draft model, so --mode spec cannot run; "
@@ -243,8 +243,16 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def default_mode(self) -> str:
+        """The mode every surface uses unless told otherwise: speculation with the bundle's
+        draft where it has one, else the target alone (the same output either way)."""
+        return "spec" if self.draft is not None else "ar"
+
     def _config(self, config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
         config = config or GenerationConfig(**kwargs)
+        if config.mode is None:
+            config = replace(config, mode=self.default_mode)
         config.validate(self.draft is not None)
         return config
 

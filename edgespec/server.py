@@ -122,7 +122,7 @@ def completion_logprobs(engine: Engine, entries: list[TokenLogprob],
 
 
 def create_app(engine: Engine, model_id: str, api_key: str | None = None,
-               default_mode: str = "spec", allowed_hosts: tuple[str, ...] = (),
+               default_mode: str | None = None, allowed_hosts: tuple[str, ...] = (),
                max_body: int = MAX_BODY) -> Guard:
     """The ASGI app serving `engine` under the model name `model_id` (behind the Guard)."""
     app = FastAPI(title="edgespec", version="1", docs_url=None, redoc_url=None)
@@ -130,8 +130,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     created = int(time.time())
     counts = {"served": 0, "cancelled": 0}
     previous_prompt: list[int] = []
-    if default_mode == "spec" and engine.draft is None:
-        default_mode = "ar"
+    default_mode = default_mode or engine.default_mode
     if default_mode not in MODES:
         raise EdgespecError(f"unknown mode '{default_mode}'.")
 

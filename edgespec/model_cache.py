@@ -1,0 +1,121 @@
+"""What `--model` names -> a bundle directory: a bundle as it is, anything else (a GGUF
+file, a Hugging Face checkpoint directory, a Hub id) exported once into the user cache.
+
+A cached bundle is keyed by the source's content (sha256 of its files) and the export
+options, so a changed file is exported again and an unchanged one never is. Hashing a
+big file costs seconds, so each file's hash is remembered against its size and
+modification time. Exports are written atomically (write_bundle), so an interrupted one
+leaves nothing that looks finished.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from edgespec.bundle import FORMAT_VERSION, MANIFEST
+from edgespec.errors import EdgespecError
+
+SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json")
+
+
+def cache_dir() -> Path:
+    """$EDGESPEC_CACHE, else $XDG_CACHE_HOME/edgespec, else ~/.cache/edgespec."""
+    if os.environ.get("EDGESPEC_CACHE"):
+        return Path(os.environ["EDGESPEC_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "edgespec"
+
+
+def _file_hash(path: Path, memo: dict[str, Any]) -> str:
+    st = path.stat()
+    key = str(path.resolve())
+    seen = memo.get(key)
+    if seen and seen["size"] == st.st_size and seen["mtime_ns"] == st.st_mtime_ns:
+        return seen["sha256"]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    memo[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+    return memo[key]["sha256"]
+
+
+def source_hash(path: Path) -> str:
+    """The content hash of a GGUF file or of a checkpoint directory's model files."""
+    memo_path = cache_dir() / "hashes.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if path.is_file():
+        digest = _file_hash(path, memo)
+    else:
+        files = sorted(p for p in path.iterdir() if p.is_file() and (
+            p.name in SOURCE_FILES or p.suffix == ".safetensors"))
+        h = hashlib.sha256()
+        for p in files:
+            h.update(f"{p.name}:{_file_hash(p, memo)}\n".encode())
+        digest = h.hexdigest()
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        tmp.replace(memo_path)
+    except OSError:
+        pass  # an unwritable cache only costs hashing again next time
+    return digest
+
+
+def cached_bundle(source: str | Path, console: Console | None = None,
+                  **options: Any) -> Path:
+    """The bundle exported from `source` with `options` (edgespec.export.export's),
+    exported now if the cache has none yet."""
+    from edgespec import __version__
+
+    path = Path(source).expanduser()
+    if path.exists():
+        content = source_hash(path)
+    else:  # a Hub id: the download is the content; its revision is huggingface_hub's
+        from edgespec.export.hub import resolve_checkpoint
+
+        path = resolve_checkpoint(str(source))
+        content = source_hash(path)
+    key = hashlib.sha256(json.dumps({"source": content, "options": options,
+                                     "edgespec": __version__, "format": FORMAT_VERSION},
+                                    sort_keys=True).encode()).hexdigest()[:20]
+    out = cache_dir() / "bundles" / f"{path.stem}-{key}"
+    if (out / MANIFEST).is_file():
+        return out
+    from edgespec.export import export
+
+    console = console or Console(stderr=True)
+    console.print(f"[dim]exporting {path} once into {out} (later runs reuse it)[/dim]",
+                  highlight=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    export(path, out, console=console, **options)
+    return out
+
+
+def resolve_model(model: str | Path | None, console: Console | None = None) -> Path | None:
+    """A bundle directory for `--model` (None: the embedded demo bundle)."""
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / MANIFEST).is_file():
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise EdgespecError(f"{path} is neither a bundle (no {MANIFEST}) nor a Hugging Face "
+                            "checkpoint (no config.json); pass a bundle, a .gguf file, a "
+                            "checkpoint directory or a Hub id.")
+    if not path.exists() and (str(model).startswith((".", "/", "~"))
+                              or str(model).count("/") != 1):
+        raise EdgespecError(f"{model} does not exist; pass a bundle directory, a .gguf file, "
+                            "a checkpoint directory or a Hub id like 'Qwen/Qwen2.5-0.5B'.")
+    return cached_bundle(model, console)
