@@ -255,11 +255,22 @@ class GraphBuilder:
 
         return self.once(f"{store}.qweight", make)
 
+    def zero_point_input(self, store: str, q: QuantizedWeight) -> str:
+        """The packed zero points; one value for every block (GGUF's types) is stored once
+        and expanded at session load."""
+        packed = q.packed_zero_points()
+        if not np.all(packed == packed[0]):
+            return self.const(f"{store}.zp", packed)
+        return self.once(f"{store}.zp", lambda: self.node(
+            "Expand", [self.const(f"zp.{packed[0]}", packed[:1]),
+                       self.const(f"{store}.zp.shape", np.array(packed.shape, np.int64))],
+            [f"{store}.zp"], f"{store}.zp")[0])
+
     def _nbits(self, x: str, q: QuantizedWeight, name: str, store: str | None = None) -> str:
         store = store or name
         inputs = [x, self.codes(store, q), self.rebuilt(store, "scales", q)]
         if self.zero_points or not q.symmetric:
-            inputs.append(self.const(f"{store}.zp", q.packed_zero_points()))
+            inputs.append(self.zero_point_input(store, q))
         y = self.node("MatMulNBits", inputs, [f"{name}.out"], name, domain=MS,
                       K=q.k, N=q.n, bits=q.bits, block_size=q.block_size,
                       accuracy_level=self.accuracy_level)[0]

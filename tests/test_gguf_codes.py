@@ -1,0 +1,147 @@
+"""GGUF tensors in MatMulNBits: the effective weights are bitwise gguf-py's dequantization.
+
+The probe feeds the identity matrix through ONNX Runtime's MatMulNBits (fp32 activations)
+plus edgespec's block-sum minimum, so the output rows are the weights ONNX Runtime
+really computes with; the oracle is `gguf.quants.dequantize`. Synthetic tensors come
+from gguf-py's own quantizer where it has one, K-quants from random block bytes with
+realistic scales; real tensors from both registry models.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, quants
+from onnx import TensorProto, helper
+
+from edgespec.export.graph import GraphBuilder
+from edgespec.quant.blockwise import dequantize
+from edgespec.quant.gguf_codes import ENCODINGS, encode
+from tests.real_models import gemma_gguf, smollm2_gguf
+
+T = GGMLQuantizationType
+QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # gguf-py quantizes these
+K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+def run_graph(g: GraphBuilder, inputs: dict[str, np.ndarray], out: str,
+              in_types: dict[str, int]) -> np.ndarray:
+    graph = helper.make_graph(
+        g.nodes, "probe", [helper.make_tensor_value_info(n, t, None)
+                           for n, t in in_types.items()],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], initializer=g.inits)
+    model = helper.make_model(graph, ir_version=10, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run([out], inputs)[0]
+
+
+def effective_weights(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
+    """[N, K] as ONNX Runtime computes with them: identity activations, accuracy_level 0."""
+    q = encode(blocks, qtype)
+    g = GraphBuilder("int8", q.block_size, accuracy_level=0)
+    out = g.linear("x", q, "probe")
+    eye = np.eye(q.k, dtype=np.float32)[None]
+    return run_graph(g, {"x": eye}, out, {"x": TensorProto.FLOAT})[0].T
+
+
+def assert_bitwise(a: np.ndarray, b: np.ndarray) -> None:
+    """Every value identical; a zero may differ in sign only (gguf-py's d·(q - 8) with a
+    negative d gives -0.0 where (q - 8)·d over a float zero point gives +0.0: the same
+    weight in every product)."""
+    assert a.shape == b.shape and a.dtype == b.dtype == np.float32
+    same = a.view(np.uint32) == b.view(np.uint32)
+    assert np.all(same | ((a == 0) & (b == 0)))
+
+
+def k_quant_blocks(qtype: GGMLQuantizationType, rows: int, rng: np.random.Generator
+                   ) -> np.ndarray:
+    """Random K-quant super-blocks whose float16 scales are realistic (1e-3..3e-2), so
+    the products and minimums are the magnitudes real files hold."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, 2 * size), dtype=np.uint8).reshape(rows, 2, size)
+    halves = rng.uniform(1e-3, 3e-2, size=(rows, 2, 2)).astype(np.float16).view(np.uint8)
+    if qtype == T.Q6_K:
+        raw[..., 208:210] = halves[..., :2]
+    else:  # d and dmin lead the block
+        raw[..., 0:4] = halves
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda t: t.name)
+def test_quantized_by_gguf_py_are_exact(qtype):
+    rng = np.random.default_rng(int(qtype))
+    w = (rng.standard_normal((48, 256)) * rng.uniform(0.01, 0.2, (48, 1))).astype(np.float32)
+    w[3] = 0.0  # an all-zero row: zero scales
+    w[5, :32] += 0.5  # a lopsided block: minimums far from -8·d
+    blocks = quants.quantize(w, qtype)
+    ref = quants.dequantize(blocks, qtype)
+    assert_bitwise(dequantize(encode(blocks, qtype)), ref)
+    assert_bitwise(effective_weights(blocks, qtype), ref)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_k_quants_from_random_blocks_are_exact(qtype):
+    blocks = k_quant_blocks(qtype, 40, np.random.default_rng(int(qtype)))
+    ref = quants.dequantize(blocks, qtype)
+    assert_bitwise(dequantize(encode(blocks, qtype)), ref)
+    assert_bitwise(effective_weights(blocks, qtype), ref)
+
+
+def test_every_supported_type_is_probed():
+    assert set(ENCODINGS) == set(QUANTIZABLE) | set(K_QUANTS)
+
+
+@cache
+def reader(path: Path) -> GGUFReader:
+    return GGUFReader(path)
+
+
+def real_tensors():
+    """One tensor of every quantized type in each registry file (first of each type)."""
+    for path in (smollm2_gguf(), gemma_gguf()):
+        seen = set()
+        for t in reader(path).tensors:
+            if t.tensor_type in ENCODINGS and t.tensor_type not in seen and t.shape[1] <= 2048:
+                seen.add(t.tensor_type)
+                yield pytest.param(path, t.name, id=f"{path.name[:6]}-{t.name}")
+
+
+@pytest.mark.parametrize("path,name", real_tensors())
+def test_real_tensors_are_exact(path, name):
+    t = next(t for t in reader(path).tensors if t.name == name)
+    ref = quants.dequantize(t.data, t.tensor_type)
+    assert_bitwise(effective_weights(np.asarray(t.data), t.tensor_type), ref)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
+def test_embedding_rows_gathered_from_codes_are_exact(qtype):
+    """The tied head's codes serve as the embedding table: the gathered rows are the
+    dequantized rows, bitwise."""
+    rng = np.random.default_rng(7)
+    if qtype in K_QUANTS:
+        blocks = k_quant_blocks(qtype, 64, rng)
+    else:
+        blocks = quants.quantize(rng.standard_normal((64, 256)).astype(np.float32), qtype)
+    q = encode(blocks, qtype)
+    g = GraphBuilder("int8", q.block_size, accuracy_level=0)
+    out = g.gather_rows(q, "ids", "embed")
+    ids = np.array([[0, 63, 5, 5, 17]], np.int64)
+    got = run_graph(g, {"ids": ids}, out, {"ids": TensorProto.INT64})
+    assert_bitwise(got[0], quants.dequantize(blocks, qtype)[ids[0]])
+
+
+def test_stored_parts_keep_the_file_size():
+    """A 5-bit type is held as GGUF holds it (low nibbles + a bit plane + float16
+    scales), not as the 8-bit codes ONNX Runtime builds from it at load."""
+    blocks = quants.quantize(np.random.default_rng(0).standard_normal((64, 256)).astype(
+        np.float32), T.Q5_0)
+    g = GraphBuilder("int8", 32, accuracy_level=4)
+    g.linear("x", encode(blocks, T.Q5_0), "probe")
+    stored = sum(onnx.numpy_helper.to_array(t).nbytes for t in g.inits)
+    assert stored <= blocks.nbytes * 1.01
