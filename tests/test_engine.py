@@ -255,13 +255,13 @@ def test_stop_strings(engine, drafter):
 
 
 def test_stop_string_split_across_chunks_is_held_back():
-    from edgespec.engine import _StopStrings
+    from edgespec.stops import StopStrings
 
-    s = _StopStrings(["END"])
+    s = StopStrings(["END"])
     assert s.feed("abc E") == "abc "  # "E" might start "END": held
     assert s.feed("N") == ""
     assert s.feed("Dx") == "" and s.hit
-    t = _StopStrings(["END"])
+    t = StopStrings(["END"])
     assert t.feed("xE") == "x" and t.feed("Q") == "EQ" and t.flush("E") == "E"
 
 
