@@ -96,3 +96,18 @@ def test_include_usage_sends_a_final_usage_chunk(client):
                                                 temperature=0, stream=True,
                                                 stream_options={"include_usage": True}))
     assert completion[-1].choices == [] and completion[-1].usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("drafter", [dict(tree_budget=8), dict(adaptive=True),
+                                     dict(temperature=0.8, seed=4)])
+def test_every_decoding_loop_reports_the_target_rows(engine, reference, drafter):
+    """Trees, adaptive chains and sampling hand over the rows that decided each token."""
+    prompt = engine.tokenizer.encode("def quicksort(items):")
+    engine.reset()
+    result = list(engine.records(prompt, max_new_tokens=24, logprobs=1, **drafter))
+    answer = [t for r in result for t in r.tokens]
+    entries = [e for r in result for e in r.logprobs]
+    want = target_logprobs(reference, prompt, answer)
+    assert [e.token for e in entries] == answer
+    assert [e.logprob for e in entries] == pytest.approx(
+        [row[t] for row, t in zip(want, answer, strict=True)], abs=2e-4)
