@@ -26,6 +26,7 @@ BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_
 def configs():
     from transformers import (
         Gemma2Config,
+        Gemma3TextConfig,
         GemmaConfig,
         LlamaConfig,
         MistralConfig,
@@ -52,6 +53,21 @@ def configs():
         "gemma2": Gemma2Config(**BASE, head_dim=16, query_pre_attn_scalar=24,
                                sliding_window=5, attn_logit_softcapping=5.0,
                                final_logit_softcapping=3.0),
+        # sliding layers with a RoPE base of their own, a global layer with a scaled one
+        "gemma3": Gemma3TextConfig(**BASE, head_dim=32, query_pre_attn_scalar=20,
+                                   sliding_window=5,
+                                   layer_types=["sliding_attention", "full_attention",
+                                                "sliding_attention"],
+                                   rope_parameters={
+                                       "sliding_attention": {"rope_type": "default",
+                                                             "rope_theta": 10000.0},
+                                       "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                          "rope_theta": 1000000.0}}),
+        # head sizes GQA's CPU kernel cannot take (padded) and one it can
+        "llama-head8": LlamaConfig(**BASE, head_dim=8),
+        "qwen3-head24": Qwen3Config(**BASE, head_dim=24),
+        "llama-head40": LlamaConfig(**{**BASE, "num_key_value_heads": 1}, head_dim=40),
+        "gemma3-head80": Gemma3TextConfig(**BASE, head_dim=80, sliding_window=6),
     }
 
 

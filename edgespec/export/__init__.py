@@ -22,7 +22,7 @@ from edgespec import __version__
 from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
-from edgespec.export.graph import build_decoder, padded_head_dim, rows_of
+from edgespec.export.graph import build_decoder, kv_head_dim, rows_of
 from edgespec.export.kv_quant import calibrate_target, kv_scales
 from edgespec.export.source import Source, open_source
 from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
@@ -116,7 +116,7 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
         compute_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
         vocab_size=rows_of(head), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-        head_dim=padded_head_dim(spec.head_dim) if attention == "gqa" else spec.head_dim,
+        head_dim=kv_head_dim(spec, attention),
         max_positions=spec.max_positions, params=params, source=source.name,
         nested="target" if nested == "shared" else "")
 

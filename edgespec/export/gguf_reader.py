@@ -68,11 +68,14 @@ def read_metadata(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         raise EdgespecError(f"{path}: per-layer head counts are not supported.")
     hidden = key("embedding_length")
     head_dim = key("attention.key_length", hidden // heads)
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    names = {t.name for t in reader.tensors}
+    shapes = {t.name: [int(d) for d in t.shape] for t in reader.tensors}
+    if "token_embd.weight" not in shapes:
+        raise EdgespecError(f"{path} has no token_embd.weight tensor; it is not a complete "
+                            "decoder model.")
+    names = set(shapes)
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]], "model_type": arch,
-        "vocab_size": key("vocab_size", len(tokens.data) if tokens else None),
+        "vocab_size": shapes["token_embd.weight"][1],  # ggml order: [hidden, vocab]
         "hidden_size": hidden, "intermediate_size": key("feed_forward_length"),
         "num_hidden_layers": key("block_count"), "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim,

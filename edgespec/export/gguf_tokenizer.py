@@ -70,6 +70,14 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _bpe(path: Path, **kwargs: Any) -> Tokenizer:
+    try:
+        return Tokenizer(models.BPE(**kwargs))
+    except Exception as e:  # tokenizers raises plain Exceptions for inconsistent vocabularies
+        raise EdgespecError(f"{path}: its tokenizer metadata is inconsistent ({e}); the file "
+                            "is damaged or from a broken converter.") from None
+
+
 def _byte_level(meta: dict[str, Any], path: Path) -> Tokenizer:
     alphabet = _byte_alphabet()
     letters = set(alphabet.values())
@@ -79,7 +87,7 @@ def _byte_level(meta: dict[str, Any], path: Path) -> Tokenizer:
         raise EdgespecError(f"{path}: its byte-level BPE vocabulary comes without merges; the "
                             "file is incomplete.")
     merges = [tuple(m.split(" ", 1)) for m in meta["merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok = _bpe(path, vocab=vocab, merges=merges, fuse_unk=False)
     pre = meta["pre"] or "default"
     if pre not in BPE_SPLITS:
         raise EdgespecError(f"{path}: pre-tokenizer '{pre}' is not known to edgespec "
@@ -106,7 +114,7 @@ def _merges_by_rank(tokens: list[str], rank: dict[str, float]) -> list[tuple[str
     return [(left, right) for left, right, _ in merges]
 
 
-def _sentencepiece(meta: dict[str, Any], arch: str) -> Tokenizer:
+def _sentencepiece(meta: dict[str, Any], arch: str, path: Path) -> Tokenizer:
     tokens = meta["tokens"]
     gemma = arch.startswith("gemma")
     if gemma:
@@ -116,8 +124,8 @@ def _sentencepiece(meta: dict[str, Any], arch: str) -> Tokenizer:
     merges = ([tuple(m.split(" ", 1)) for m in meta["merges"]] if meta["merges"]
               else _merges_by_rank(tokens, rank))
     unk = tokens[meta["unk_id"]] if meta["unk_id"] is not None else None
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               fuse_unk=True, byte_fallback=True, unk_token=unk))
+    tok = _bpe(path, vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+               fuse_unk=True, byte_fallback=True, unk_token=unk)
     pieces = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if gemma:
         tok.normalizer = normalizers.Replace(" ", "\u2581")
@@ -170,7 +178,7 @@ def write_tokenizer(reader: Any, arch: str, path: Path, out: Path) -> list[int]:
         if meta["scores"] is None and not meta["merges"]:
             raise EdgespecError(f"{path}: its SentencePiece vocabulary has neither scores nor "
                                 "merges; the file is incomplete.")
-        tok = _sentencepiece(meta, arch)
+        tok = _sentencepiece(meta, arch, path)
     else:
         raise EdgespecError(f"{path}: tokenizer model '{meta['model']}' is not supported "
                             "(supported: gpt2 byte-level BPE, llama SentencePiece).")

@@ -40,10 +40,27 @@ def as_float(weight: Weight) -> np.ndarray:
     return dequantize(weight) if isinstance(weight, QuantizedWeight) else weight
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """GroupQueryAttention's CPU kernel wants head sizes in multiples of 16: other heads
-    are zero-padded (q·k and the attended values do not change; the pad is cut off)."""
-    return -(-head_dim // 16) * 16
+def head_layout(spec: DecoderSpec) -> tuple[int, np.ndarray] | None:
+    """GroupQueryAttention's CPU kernel wants head sizes in multiples of 16 and rotary
+    halves in multiples of 8. Other heads are zero-padded: each rotary half to a multiple
+    of 8 (the pad rotates with frequency 0, i.e. not at all), the unrotated rest after
+    them, to a multiple of 16 in all. Zeros change neither q·k nor the attended values.
+    Returns the padded size and where each real dimension sits in it (None: no padding)."""
+    d, half = spec.head_dim, len(spec.inv_freq)
+    if d % 16 == 0 and half % 8 == 0:
+        return None
+    rotary_half = -(-half // 8) * 8
+    tail = d - 2 * half
+    size = -(-(2 * rotary_half + tail) // 16) * 16
+    where = np.concatenate([np.arange(half), rotary_half + np.arange(half),
+                            2 * rotary_half + np.arange(tail)]).astype(np.int64)
+    return size, where
+
+
+def kv_head_dim(spec: DecoderSpec, attention: str = "gqa") -> int:
+    """The head size of the KV cache (padded for GQA, see head_layout)."""
+    layout = head_layout(spec) if attention == "gqa" else None
+    return layout[0] if layout else spec.head_dim
 
 
 class GraphBuilder:
@@ -395,7 +412,7 @@ def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seql
                      kv_cache_bit_width=8)
         quantized = ["", *(g.const(f"{p}.{kind}_scale", scale.astype(np.float32))
                            for kind, scale in zip("kv", kv_scales, strict=True))]
-    if spec.attn_scale or padded_head_dim(spec.head_dim) != spec.head_dim:
+    if spec.attn_scale or head_layout(spec):
         attrs["scale"] = spec.attn_scale or spec.head_dim ** -0.5
     if spec.attn_softcap:
         attrs["softcap"] = spec.attn_softcap
@@ -467,31 +484,33 @@ def rope_caches(g: GraphBuilder, spec: DecoderSpec, inv_freq: np.ndarray,
 
 
 def pad_heads(g: GraphBuilder, x: str, heads: int, spec: DecoderSpec, name: str) -> str:
-    """[1, S, heads·d] -> [1, S, heads·d'] with each head zero-padded to d' (see
-    padded_head_dim)."""
-    padded = padded_head_dim(spec.head_dim)
+    """[1, S, heads·d] -> [1, S, heads·d'] laid out as head_layout says: a zero column is
+    appended to each head and gathered into the pad positions."""
+    size, where = head_layout(spec)
+    source = np.full(size, spec.head_dim, np.int64)  # the zero column
+    source[where] = np.arange(spec.head_dim)
     split = g.const(f"heads{heads}x{spec.head_dim}", np.array([1, -1, heads, spec.head_dim],
                                                              np.int64))
-    merged = g.const(f"merged{heads}x{padded}", np.array([1, -1, heads * padded], np.int64))
-    pads = g.const(f"pads.{padded - spec.head_dim}", np.array(
-        [0, 0, 0, 0, 0, 0, 0, padded - spec.head_dim], np.int64))
     y = g.node("Reshape", [x, split], [f"{name}.heads"], f"{name}.heads")[0]
-    y = g.node("Pad", [y, pads], [f"{name}.pad"], f"{name}.pad")[0]
+    y = g.node("Pad", [y, g.const("pads.zero_column", np.array([0, 0, 0, 0, 0, 0, 0, 1],
+                                                                np.int64))],
+               [f"{name}.z"], f"{name}.z")[0]
+    y = g.node("Gather", [y, g.const("head.pad_source", source)], [f"{name}.pad"],
+               f"{name}.pad", axis=-1)[0]
+    merged = g.const(f"merged{heads}x{size}", np.array([1, -1, heads * size], np.int64))
     return g.node("Reshape", [y, merged], [f"{name}.padded"], f"{name}.padded")[0]
 
 
 def unpad_heads(g: GraphBuilder, x: str, spec: DecoderSpec, name: str) -> str:
     """The inverse of pad_heads for the attention output (query heads)."""
-    padded = padded_head_dim(spec.head_dim)
-    split = g.const(f"heads{spec.num_heads}x{padded}", np.array(
-        [1, -1, spec.num_heads, padded], np.int64))
+    size, where = head_layout(spec)
+    split = g.const(f"heads{spec.num_heads}x{size}", np.array(
+        [1, -1, spec.num_heads, size], np.int64))
     merged = g.const(f"merged{spec.num_heads}x{spec.head_dim}", np.array(
         [1, -1, spec.num_heads * spec.head_dim], np.int64))
     y = g.node("Reshape", [x, split], [f"{name}.heads"], f"{name}.heads")[0]
-    y = g.node("Slice", [y, g.const("i64.zero1", np.array([0], np.int64)),
-                         g.const(f"d.{spec.head_dim}", np.array([spec.head_dim], np.int64)),
-                         g.const("i64.last", np.array([-1], np.int64))],
-               [f"{name}.cut"], f"{name}.cut")[0]
+    y = g.node("Gather", [y, g.const("head.real_dims", where)], [f"{name}.cut"], f"{name}.cut",
+               axis=-1)[0]
     return g.node("Reshape", [y, merged], [f"{name}.merged"], f"{name}.merged")[0]
 
 
@@ -520,7 +539,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew
         embeddings, lm_head = as_float(embeddings), as_float(lm_head)
     s_dim, t_dim = "sequence", "total_sequence"
-    kv_dim_head = padded_head_dim(spec.head_dim) if attention == "gqa" else spec.head_dim
+    kv_dim_head = kv_head_dim(spec, attention)
     if attention == "gqa":
         past_shape = present_shape = [1, spec.num_kv_heads, "max_length", kv_dim_head]
     else:
@@ -571,8 +590,15 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                      "seqlens.sub")[0]
     seqlens_k = g.node("Reshape", [seqlens, g.const("shape1", np.array([1], np.int64))],
                        ["seqlens_k"], "seqlens.reshape")[0]
-    rope = rope_caches(g, spec, spec.inv_freq, "rope")
-    local_rope = (rope_caches(g, spec, spec.local_inv_freq, "rope.local")
+    layout = head_layout(spec) if attention == "gqa" else None
+    rotary_half = (layout[1][len(spec.inv_freq)] if layout and len(spec.inv_freq)
+                   else len(spec.inv_freq))
+
+    def frequencies(inv_freq: np.ndarray) -> np.ndarray:  # padded rotary halves turn at 0
+        return np.pad(inv_freq, (0, rotary_half - len(inv_freq)))
+
+    rope = rope_caches(g, spec, frequencies(spec.inv_freq), "rope")
+    local_rope = (rope_caches(g, spec, frequencies(spec.local_inv_freq), "rope.local")
                   if spec.local_inv_freq is not None else rope)
     if attention == "mha":  # MHA wants the bias per head: [1, heads, S, T]
         dims = g.node("Concat", [g.const("bias.heads", np.array([1, spec.num_heads], np.int64)),

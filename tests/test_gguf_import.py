@@ -1,0 +1,266 @@
+"""GGUF files in, as users have them: the two registry models exported and compared with
+transformers' own GGUF loading (an independent dequantizer and tokenizer conversion),
+`--model FILE.gguf` through the cache, and damaged or unsupported files refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import edgespec
+from edgespec.bundle import read_manifest
+from edgespec.export import export
+from edgespec.runtimes import DecoderSession
+from edgespec.tokenizer import Tokenizer
+from tests.real_models import gemma_gguf, smollm2_gguf
+
+# held-out text: prose, code and a list, none of it in edgespec's built-in prompts
+HELD_OUT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, "
+            "counting one hundred and twelve steps before the lamp room.\n\n"
+            "def merge(left, right):\n    out = []\n    while left and right:\n"
+            "        out.append(left.pop(0) if left[0] <= right[0] else right.pop(0))\n"
+            "    return out + left + right\n\n"
+            "Shopping list: flour, two eggs, a litre of milk, and some fresh basil.")
+TEXTS = ["Hello world", "What is the capital of France?", "  leading spaces\tand tabs\n\n",
+         "def f(x):\n    return x**2 + 12345 * 0.5", "Ünïcödé — 日本語のテキスト 🙂🚀",
+         "numbers 1 22 333 4444 3.14159", "a  b   c    d", "don't won't I'm they'll", " ",
+         "<|im_start|>user\nhi<|im_end|>", "<start_of_turn>user\nhi<end_of_turn>"]
+
+
+def hf(path: Path):
+    """transformers' tokenizer and fp32 model from the GGUF file itself."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return (smollm2_gguf(), *hf(smollm2_gguf()))
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return (gemma_gguf(), *hf(gemma_gguf()))
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    """Default exports (and SmolLM2 with fp32 activations, the exact-weights check)."""
+    root = tmp_path_factory.mktemp("gguf")
+    export(smollm2_gguf(), root / "smollm2")
+    export(smollm2_gguf(), root / "smollm2-acc0", accuracy_level=0)
+    export(gemma_gguf(), root / "gemma")
+    return root
+
+
+def bundle_logits(bundle: Path, ids: list[int]) -> np.ndarray:
+    m = read_manifest(bundle)
+    sess = DecoderSession(bundle / "target.onnx", m.target, ["CPUExecutionProvider"])
+    # a prefill, a single step, then a chunk: every kind of pass
+    return np.concatenate([sess.forward(ids[:20]), sess.forward(ids[20:21]),
+                           sess.forward(ids[21:])])
+
+
+def kl_top1(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        x = x.astype(np.float64) - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    p, q = log_softmax(ref), log_softmax(got)
+    kl = float((np.exp(p) * (p - q)).sum(-1).mean())
+    return kl, float((ref.argmax(-1) == got.argmax(-1)).mean())
+
+
+def reference_logits(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2, bundles):
+    _, ref, _ = smollm2
+    ours = Tokenizer.from_dir(bundles / "smollm2")
+    for text in TEXTS:
+        assert ours.encode(text) == ref(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == ref.decode(ref(text)["input_ids"])
+    for messages in ([{"role": "user", "content": "What is 2+2?"}],
+                     [{"role": "system", "content": "Be brief."},
+                      {"role": "user", "content": "Hi 🙂"},
+                      {"role": "assistant", "content": "Hello!"},
+                      {"role": "user", "content": "def f(): pass — explain"}]):
+        want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert ours.encode_chat(messages) == want
+
+
+def test_gemma_tokenizer_matches_transformers(gemma, bundles):
+    _, ref, _ = gemma
+    ours = Tokenizer.from_dir(bundles / "gemma")
+    for text in TEXTS + [HELD_OUT]:
+        assert ours.encode(text) == ref(text)["input_ids"], text
+        assert ours.decode(ours.encode(text)) == ref.decode(ref(text)["input_ids"])
+
+
+def test_smollm2_logits_match_transformers(smollm2, bundles):
+    """Exact weights: with fp32 activations the logits are transformers' own (KL ~1e-11);
+    the default int8 activations (as llama.cpp's) stay close: measured KL 0.0038, top-1
+    98% on this text."""
+    _, tok, model = smollm2
+    ids = tok(HELD_OUT)["input_ids"]
+    ref = reference_logits(model, ids)
+    kl, top1 = kl_top1(ref, bundle_logits(bundles / "smollm2-acc0", ids))
+    assert kl < 1e-8 and top1 == 1.0
+    kl, top1 = kl_top1(ref, bundle_logits(bundles / "smollm2", ids))
+    assert kl < 0.01 and top1 >= 0.9, (kl, top1)
+
+
+def test_gemma_logits_match_transformers(gemma, bundles):
+    """Measured: KL 0.0027, top-1 98% (default export, int8 activations)."""
+    _, tok, model = gemma
+    ids = tok(HELD_OUT)["input_ids"]
+    kl, top1 = kl_top1(reference_logits(model, ids), bundle_logits(bundles / "gemma", ids))
+    assert kl < 0.01 and top1 >= 0.9, (kl, top1)
+
+
+def test_gemma_greedy_continuations_equal_transformers(gemma, tmp_path):
+    """With fp32 activations (the weights are exact), greedy decoding of the real 270M
+    follows transformers' token for token, across its sliding and global layers."""
+    path, tok, model = gemma
+    export(path, tmp_path / "b", accuracy_level=0)
+    engine = edgespec.load(tmp_path / "b")
+    for prompt in ("The three primary colours are", "def fibonacci(n):"):
+        ids = tok(prompt)["input_ids"]
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
+        got = engine.generate(ids, max_new_tokens=12, mode="ar").token_ids
+        assert got == want[0, len(ids):].tolist()
+
+
+def test_bundles_are_no_bigger_than_the_files(bundles):
+    for name, source in (("smollm2", smollm2_gguf()), ("gemma", gemma_gguf())):
+        size = sum(f.stat().st_size for f in (bundles / name).iterdir())
+        assert size <= 1.1 * source.stat().st_size, (name, size / source.stat().st_size)
+        assert read_manifest(bundles / name).target.precision == "gguf"
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgespec.cli", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+
+
+def test_model_option_takes_a_gguf_file_and_exports_it_once(tmp_path, bundles):
+    env = {"EDGESPEC_CACHE": str(tmp_path / "cache")}
+    args = ("generate", "--model", str(smollm2_gguf()), "--chat", "--max-new-tokens", "12",
+            "--json", "What is the capital of France?")
+    first = cli(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "exporting" in first.stderr
+    cached = list((tmp_path / "cache" / "bundles").iterdir())
+    assert len(cached) == 1
+    second = cli(*args, env=env)
+    assert second.returncode == 0 and "exporting" not in second.stderr
+    assert list((tmp_path / "cache" / "bundles").iterdir()) == cached
+    import json
+
+    got = json.loads(second.stdout)
+    # the cached bundle is the default export: the same tokens as the one made here
+    engine = edgespec.load(bundles / "smollm2")
+    ids = engine.tokenizer.encode_chat([{"role": "user",
+                                         "content": "What is the capital of France?"}])
+    assert got["token_ids"] == engine.generate(ids, max_new_tokens=12).token_ids
+    assert got["stats"]["mode"] == "ar"  # no draft: the default mode is the target alone
+
+
+def tiny_gguf(path: Path, arch: str = "llama", qtype=gguf.GGMLQuantizationType.Q8_0,
+              tokenizer: bool = True) -> Path:
+    """A small but well-formed GGUF file (2 layers, d 64) written with gguf-py."""
+    w = gguf.GGUFWriter(path, arch)
+    d, ff, vocab = 64, 128, 300
+    w.add_block_count(2)
+    w.add_context_length(128)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        from edgespec.export.gguf_tokenizer import _byte_alphabet
+
+        w.add_token_list([*_byte_alphabet().values(), "ab",
+                          *(f"tok{i}" for i in range(257, vocab))])
+        w.add_token_types([1] * vocab)
+        w.add_token_merges(["a b"])
+        w.add_eos_token_id(0)
+    rng = np.random.default_rng(0)
+
+    def tensor(name: str, shape: tuple[int, ...], kind=qtype) -> None:
+        data = rng.standard_normal(shape).astype(np.float32) * 0.05
+        if kind == gguf.GGMLQuantizationType.F32 or len(shape) == 1:
+            w.add_tensor(name, data)
+        elif kind == gguf.GGMLQuantizationType.Q2_K:  # gguf-py cannot quantize K-quants
+            raw = rng.integers(0, 256, (shape[0], shape[1] // 256 * 84), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=kind)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+
+    tensor("token_embd.weight", (vocab, d), gguf.GGMLQuantizationType.Q8_0)
+    tensor("output_norm.weight", (d,))
+    for i in range(2):
+        for name, shape in (("attn_q", (d, d)), ("attn_k", (32, d)), ("attn_v", (32, d)),
+                            ("attn_output", (d, d)), ("ffn_gate", (ff, d)),
+                            ("ffn_up", (ff, d))):
+            tensor(f"blk.{i}.{name}.weight", shape)
+        tensor(f"blk.{i}.ffn_down.weight", (d, ff), gguf.GGMLQuantizationType.Q8_0)
+        tensor(f"blk.{i}.attn_norm.weight", (d,))
+        tensor(f"blk.{i}.ffn_norm.weight", (d,))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_tiny_well_formed_file_exports_and_runs(tmp_path):
+    """The control for the refusals below: the same writer's file is accepted."""
+    out = tmp_path / "b"
+    result = cli("export", str(tiny_gguf(tmp_path / "tiny.gguf")), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert edgespec.load(out).generate([5, 6, 7], max_new_tokens=3, mode="ar").token_ids
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("truncated", "damaged or truncated"),
+    ("not-gguf", "not a GGUF file"),
+    ("unknown-arch", "architecture 'mamba' is not supported"),
+    ("unsupported-type", "is Q2_K, which edgespec cannot hold exactly"),
+    ("no-tokenizer", "carries no tokenizer"),
+])
+def test_bad_gguf_files_are_refused_in_one_sentence(tmp_path, case, expected):
+    path = tmp_path / "model.gguf"
+    if case == "truncated":
+        path.write_bytes(smollm2_gguf().read_bytes()[:5_000_000])
+    elif case == "not-gguf":
+        path.write_text("this is a text file someone named .gguf\n")
+    elif case == "unknown-arch":
+        tiny_gguf(path, arch="mamba")
+    elif case == "unsupported-type":
+        tiny_gguf(path, qtype=gguf.GGMLQuantizationType.Q2_K)
+    else:
+        tiny_gguf(path, tokenizer=False)
+    before = sorted(tmp_path.iterdir())
+    result = cli("export", str(path), "--out", str(tmp_path / "out"))
+    assert result.returncode != 0
+    assert expected in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert sorted(tmp_path.iterdir()) == before  # nothing written, nothing removed
