@@ -146,6 +146,17 @@ def test_gemma_greedy_continuations_equal_transformers(gemma, tmp_path):
         assert got == want[0, len(ids):].tolist()
 
 
+def test_a_gguf_draft_speculates_losslessly(tmp_path):
+    """Target and draft both from GGUF files (here the same file: every draft token is
+    accepted); greedy speculation gives the bundle's own AR tokens."""
+    export(smollm2_gguf(), tmp_path / "b", draft=smollm2_gguf(), accuracy_level=0)
+    engine = edgespec.load(tmp_path / "b")
+    ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Name a colour."}])
+    spec = engine.generate(ids, max_new_tokens=16)
+    assert spec.stats.mode == "spec" and spec.stats.acceptance_rate > 0.9
+    assert spec.token_ids == engine.generate(ids, max_new_tokens=16, mode="ar").token_ids
+
+
 def test_bundles_are_no_bigger_than_the_files(bundles):
     for name, source in (("smollm2", smollm2_gguf()), ("gemma", gemma_gguf())):
         size = sum(f.stat().st_size for f in (bundles / name).iterdir())

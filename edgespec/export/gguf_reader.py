@@ -41,22 +41,21 @@ LAYER_OVERRIDES = {
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        return default
-    return field.contents()
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value, or `default` where the file lacks the key."""
+    found = reader.get_field(key)
+    return default if found is None else found.contents()
 
 
 def read_metadata(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     """The architecture and a transformers-style config.json from the file's metadata."""
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise EdgespecError(f"{path}: GGUF architecture '{arch}' is not supported; edgespec "
                             f"imports {', '.join(ARCHITECTURES)}.")
 
     def key(name: str, default: Any = None) -> Any:
-        value = _field(reader, f"{arch}.{name}", default)
+        value = field(reader, f"{arch}.{name}", default)
         if value is None:
             raise EdgespecError(f"{path}: the GGUF metadata lacks '{arch}.{name}'; the file is "
                                 "incomplete or from an unsupported converter.")
@@ -85,10 +84,10 @@ def read_metadata(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         "rope_theta": key("rope.freq_base", 10000.0),
         "partial_rotary_factor": key("rope.dimension_count", head_dim) / head_dim,
         "hidden_act": "gelu_pytorch_tanh" if arch.startswith("gemma") else "silu",
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    scaling = field(reader, f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise EdgespecError(f"{path}: RoPE scaling '{scaling}' is not supported yet "
@@ -97,7 +96,7 @@ def read_metadata(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
                                   "factor": key("rope.scaling.factor")}
     if arch in ("gemma2", "gemma3"):
         window = key("attention.sliding_window")
-        every = 2 if arch == "gemma2" else _field(
+        every = 2 if arch == "gemma2" else field(
             reader, f"{arch}.attention.sliding_window_pattern", 6)
         config["sliding_window"] = window
         config["layer_types"] = ["full_attention" if (i + 1) % every == 0 else
@@ -105,10 +104,10 @@ def read_metadata(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
         # llama.cpp's rule: the 27B model scales queries by hidden/heads, the others by head_dim
         config["query_pre_attn_scalar"] = (hidden // heads if config["num_hidden_layers"] == 62
                                            else head_dim)
-        config["attn_logit_softcapping"] = _field(reader, f"{arch}.attn_logit_softcapping")
-        config["final_logit_softcapping"] = _field(reader, f"{arch}.final_logit_softcapping")
+        config["attn_logit_softcapping"] = field(reader, f"{arch}.attn_logit_softcapping")
+        config["final_logit_softcapping"] = field(reader, f"{arch}.final_logit_softcapping")
     if arch == "gemma3":
-        config["rope_local_base_freq"] = _field(reader, f"{arch}.rope.freq_base_swa", 10000.0)
+        config["rope_local_base_freq"] = field(reader, f"{arch}.rope.freq_base_swa", 10000.0)
     return arch, config
 
 

@@ -33,6 +33,7 @@ from tokenizers import (
 )
 
 from edgespec.errors import EdgespecError
+from edgespec.export.gguf_reader import field as _field
 
 CONTROL, USER_DEFINED = 3, 4
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -63,11 +64,6 @@ def _byte_alphabet() -> dict[int, str]:
             chars[b] = chr(256 + extra)
             extra += 1
     return chars
-
-
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
 
 
 def _bpe(path: Path, **kwargs: Any) -> Tokenizer:
