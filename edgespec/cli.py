@@ -107,8 +107,9 @@ def cli() -> None:
                    "types unless --requantize).")
 @click.option("--draft-precision", type=click.Choice(["fp32", "fp16", "int8", "int4", "int2"]),
               help="Draft weight precision (default: --precision).")
-@click.option("--block-size", type=click.Choice(["32", "64", "128"]), default="32",
-              show_default=True, help="Quantization block size along the input dimension.")
+@click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="32",
+              show_default=True, help="Quantization block size along the input dimension "
+              "(16: int4 and nested codes that are bitwise batch-invariant on the CPU).")
 @click.option("--ep-profile", type=click.Choice(["cpu", "cuda", "dml"]), default="cpu",
               show_default=True, help="Execution provider the graphs are built for.")
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",

@@ -1,10 +1,14 @@
-"""What a pass costs by the number of tokens it feeds, for a bundle's target and draft.
+"""What a pass costs by the number of tokens it feeds, for bundles' targets and drafts.
 
 The bound on speculation: a chain pass costs γ draft steps plus one target pass over
 γ + 1 tokens and commits E tokens, so its speedup over AR is at most
-E · t(1) / (γ · d(1) + t(γ + 1)). Median over repeats, 50 tokens of context.
+E · t(1) / (γ · d(1) + t(γ + 1)). Median over repeats, 50 tokens of context. Several
+bundles are measured in interleaved rounds (this machine drifts); each figure is the
+median over rounds, with the range, and every S is also given as a ratio to S=1 taken
+within each round.
 
-    python tools/bench_verify_cost.py            # the shipped demo bundle
+    python tools/bench_verify_cost.py                        # the shipped demo bundle
+    python tools/bench_verify_cost.py --model A B --tokens 1 5 17 --rounds 5
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 import edgespec
 
 
-def pass_ms(model, s: int, repeats: int = 200) -> float:
+def pass_ms(model, s: int, repeats: int) -> float:
     model.cache.reset()
     model.forward(list(range(10, 60)))
     times = []
@@ -33,14 +37,30 @@ def pass_ms(model, s: int, repeats: int = 200) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path)
+    ap.add_argument("--model", type=Path, nargs="*", default=[None])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 5, 8, 16, 32])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=60)
     a = ap.parse_args()
-    engine = edgespec.load(a.model, device="cpu")
-    models = {"target_ms": engine.target, "draft_ms": engine.draft}
-    print(json.dumps([{"tokens": s, **{name: round(pass_ms(model, s), 3)
-                                       for name, model in models.items() if model}}
-                      for s in a.tokens], indent=1))
+    sizes = sorted(set([1, *a.tokens]))
+    engines = {str(m or "demo"): edgespec.load(m, device="cpu") for m in a.model}
+    models = {(name, role): model for name, e in engines.items()
+              for role, model in (("target", e.target), ("draft", e.draft)) if model}
+    ms: dict[tuple[str, str], dict[int, list[float]]] = {k: {s: [] for s in sizes}
+                                                         for k in models}
+    for _ in range(a.rounds):
+        for key, model in models.items():
+            for s in sizes:
+                ms[key][s].append(pass_ms(model, s, a.repeats))
+    report = []
+    for (name, role), by_s in ms.items():
+        base = np.array(by_s[1])
+        report.append({"bundle": name, "model": role, "by_tokens": {
+            s: {"ms": round(float(np.median(v)), 3),
+                "range": [round(min(v), 3), round(max(v), 3)],
+                "x_one": round(float(np.median(np.array(v) / base)), 2)}
+            for s, v in by_s.items() if s in a.tokens}})
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

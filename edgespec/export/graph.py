@@ -466,7 +466,8 @@ def rope_caches(g: GraphBuilder, spec: DecoderSpec, inv_freq: np.ndarray,
     tables (tens of MB at 32k positions) are computed at session load."""
     positions = g.once("rope.positions", lambda: g.node(
         "Range", [g.const("rope.start", np.array(0, np.float32)),
-                  g.const("rope.limit", np.array(spec.max_positions, np.float32)),
+                  # one more row: GQA checks it against an exact pass's padded length
+                  g.const("rope.limit", np.array(spec.max_positions + 1, np.float32)),
                   g.const("rope.delta", np.array(1, np.float32))],
         ["rope.positions"], "rope.positions")[0])
     column = g.const("rope.column", np.array([-1, 1], np.int64))

@@ -1,0 +1,62 @@
+"""Which ONNX Runtime kernel computes a quantized linear, chosen for batch invariance.
+
+Speculation is lossless only if a token's logits are bitwise the same fed alone or inside
+a verify pass (DESIGN.md). Measured on ONNX Runtime 1.32's CPU EP (x86-64, AVX2;
+tools/probe_batch_invariance.py): fp32 MatMul with a constant B, MatMulNBits with 8-bit
+codes (any block size) and with 4-bit codes in blocks of 16 give every row the same
+result whatever the number of rows; MatMulNBits with 4-bit codes in blocks of 32 or more
+routes a one-row product to its own kernel, which sums differently (~1e-6 per linear,
+amplified through the layers into logits that differ by ~0.8). The row-quantized int8
+GEMM here is invariant by construction: integer accumulation is exact and every scale
+belongs to one row or one column.
+
+So an export is invariant with 4-bit codes only in blocks of 16 (`--block-size 16`; GGUF
+4-bit types, blocks of 32, would need their blocks split in two with the scale repeated,
+or their codes widened to 8 bits, exactly the same weights either way). `rowwise_int8` is
+the integer GEMM (MLAS QGEMM, uint8 x uint8: the uint8 x int8 kernel of AVX2 saturates
+its 16-bit pair sums, measured wrong by up to 9e6 on full-range codes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MS = "com.microsoft"
+
+
+def quantize_rows_u8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, K] float -> codes [K, N] uint8 (q + 128, q in [-127, 127]) and per-output
+    scales [N]: symmetric int8 per output channel."""
+    w = np.asarray(weight, np.float32)
+    scale = np.abs(w).max(axis=1) / 127.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int16) + 128
+    return np.ascontiguousarray(q.T.astype(np.uint8)), scale
+
+
+def row_scale(g, x: str, name: str) -> tuple[str, str]:
+    """x [1, S, K] -> (codes uint8 [1, S, K], peak [1, S, 1]): each row quantized by its
+    own absolute maximum, codes round(127 x / peak) + 128, so no row's codes depend on
+    another's. An all-zero row has peak 0 and any codes: its output, codes times its
+    peak, is still exactly 0."""
+    peak = g.node("ReduceMax", [g.node("Abs", [x], [f"{name}.abs"], f"{name}.abs")[0],
+                                g.const("linear.last", np.array([-1], np.int64))],
+                  [f"{name}.peak"], f"{name}.peak", keepdims=1)[0]
+    unit = g.node("Div", [x, peak], [f"{name}.unit"], f"{name}.unit")[0]
+    codes = g.node("QuantizeLinear", [unit, g.fconst("linear.step", 1 / 127),
+                                      g.const("linear.zp", np.array(128, np.uint8))],
+                   [f"{name}.codes"], f"{name}.codes")[0]
+    return codes, peak
+
+
+def rowwise_int8(g, x: str, weight: np.ndarray, name: str, store: str | None = None) -> str:
+    """y = x @ weight.T as an exact integer GEMM: per-row int8 activations, per-channel
+    int8 weights, MatMulIntegerToFloat applying the row scale and the column scale."""
+    store = store or name
+    codes, scale = quantize_rows_u8(weight)
+    xq, peak = row_scale(g, x, name)
+    zp = g.const("linear.zp", np.array(128, np.uint8))
+    return g.node("MatMulIntegerToFloat",
+                  [xq, g.const(f"{store}.rowcodes", codes), peak,
+                   g.fconst(f"{store}.colscale", scale / 127.0), zp, zp],
+                  [f"{name}.out"], name, domain=MS)[0]

@@ -1,0 +1,96 @@
+"""Bitwise batch invariance: a token's target logits are the same fed alone (an AR step)
+as inside 5- and 17-token verify chains, on the demo bundle and on real-model exports
+(SmolLM2-135M-Instruct) at every precision and KV format; and therefore greedy
+speculative decoding equals greedy AR on real prompts, not only on the demo pair.
+
+The oracle is the runtime's own single-token passes (edgespec.runtimes.exactness).
+Token trees are not bitwise (ONNX Runtime's softmax sums a row's keys in SIMD lanes, so
+masked siblings move the others across lanes; README "Exactness"), so trees are
+compared with AR only as far as the demo pair's existing tests do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edgespec
+from edgespec.export import export
+from edgespec.runtimes.exactness import decoy_tree, measure
+from tests.real_models import smollm2_gguf
+
+CHAT = ["What is the capital of France?", "Write a Python function that reverses a string.",
+        "Give me three tips for sleeping better."]
+
+
+def tokens(vocab: int, n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, vocab, n).tolist()
+
+
+def assert_chains_exact(path) -> None:
+    engine = edgespec.load(path, device="cpu")
+    vocab = engine.target.vocab
+    got = measure(engine.target, tokens(vocab, 40, 0), tokens(vocab, 17, 1), trees=())
+    engine.close()
+    assert got.chain == {5: 0.0, 17: 0.0}
+
+
+def test_demo_bundle_chains_are_bitwise(demo_bundle):
+    assert_chains_exact(demo_bundle)
+
+
+def test_nested_demo_target_chains_are_bitwise(tmp_path, demo_target):
+    """BitNest with 4-bit planes in blocks of 16: the W8 target view is exact too."""
+    out = tmp_path / "nest"
+    export(demo_target, out, draft="nested", block_size=16)
+    assert_chains_exact(out)
+
+
+def test_decoy_tree_hides_the_path_behind_siblings():
+    tree, path = decoy_tree([5, 6, 7, 8], vocab=100)
+    assert [tree.tokens[n] for n in path] == [6, 7, 8]
+    assert [tree.depths[n] for n in path] == [1, 2, 3]
+    assert all(tree.tokens[n - 1] == tree.tokens[n] + 1 for n in path)  # a decoy before each
+    assert tree.ancestors(path[-1]) == (path[2], path[1], path[0])
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("smollm2")
+
+
+def smollm2(root, precision: str, kv: str = "float", block: int = 32,
+            draft: str | None = None):
+    out = root / f"{precision}-{kv}-b{block}-{draft}"
+    if not out.exists():
+        export(smollm2_gguf(), out, precision=precision, kv_cache=kv, block_size=block,
+               draft=draft, requantize=True)
+    return out
+
+
+@pytest.mark.parametrize("precision,kv,block", [
+    ("fp32", "float", 32), ("fp16", "float", 32), ("int8", "float", 32),
+    ("int8", "int8", 32), ("int4", "float", 16), ("int4", "int8", 16),
+    ("int2", "float", 32)])
+def test_smollm2_chains_are_bitwise(smollm2_dir, precision, kv, block):
+    assert_chains_exact(smollm2(smollm2_dir, precision, kv, block))
+
+
+def test_smollm2_nested_target_chains_are_bitwise(smollm2_dir):
+    assert_chains_exact(smollm2(smollm2_dir, "int8", block=16, draft="nested"))
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode="lookup"), dict(mode="lookup", draft_tokens=16),
+                                    dict(mode="spec"), dict(mode="spec", draft_tokens=8),
+                                    dict(mode="spec", adaptive=True)])
+def test_smollm2_greedy_chains_equal_ar(smollm2_dir, kwargs):
+    """The default precision (int8), the BitNest draft for the spec modes and prompt
+    lookup for the other: token-for-token the AR output on chat prompts."""
+    engine = edgespec.load(smollm2(smollm2_dir, "int8", block=16, draft="nested"),
+                           device="cpu")
+    for question in CHAT:
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": question}])
+        ar = engine.generate(ids, max_new_tokens=40, mode="ar")
+        got = engine.generate(ids, max_new_tokens=40, **kwargs)
+        assert got.token_ids == ar.token_ids, question
+    engine.close()
