@@ -137,7 +137,13 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     """Export a TARGET (a .gguf file, a Hugging Face checkpoint directory or a Hub id) and
     a draft into a bundle."""
     from edgespec.export import export as run_export
+    from edgespec.export.source import is_gguf
 
+    given = click.get_current_context().get_parameter_source("precision")
+    if is_gguf(Path(target)) and not requantize and given != click.core.ParameterSource.DEFAULT:
+        err.print(f"note: {target}'s quantized tensors keep their GGUF types; --precision "
+                  "applies to its float tensors only (add --requantize to quantize every "
+                  f"tensor to {precision}).", highlight=False)
     for source in (target, draft):
         if source and out.exists() and Path(source).exists() and \
                 Path(source).resolve().is_relative_to(out.resolve()):

@@ -80,8 +80,9 @@ class GenerationConfig:
         if self.mode is not None and self.mode not in MODES:  # None: Engine.default_mode
             raise EdgespecError(f"unknown mode '{self.mode}'; choose one of {', '.join(MODES)}.")
         if self.mode == "spec" and not has_draft:
-            raise EdgespecError("this bundle has no draft model, so --mode spec cannot run; "
-                                "use --mode ar or export with --draft.")
+            raise EdgespecError("this model has no draft, so --mode spec cannot run; use "
+                                "--mode ar or lookup, or export it with --draft (a smaller "
+                                "model of the same family, or 'nested').")
         checks = [(self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
                   (self.stop_rule in STOP_RULES,
                    f"stop_rule must be one of {', '.join(STOP_RULES)}"),

@@ -78,8 +78,12 @@ def cached_bundle(source: str | Path, console: Console | None = None,
     """The bundle exported from `source` with `options` (edgespec.export.export's),
     exported now if the cache has none yet."""
     from edgespec import __version__
+    from edgespec.export.source import is_gguf
 
     path = Path(source).expanduser()
+    if path.is_file() and not is_gguf(path):
+        raise EdgespecError(f"{path} is a file but not a GGUF model; pass a bundle, a .gguf "
+                            "file, a checkpoint directory or a Hub id.")
     if path.exists():
         content = source_hash(path)
     else:  # a Hub id: the download is the content; its revision is huggingface_hub's
@@ -99,7 +103,7 @@ def cached_bundle(source: str | Path, console: Console | None = None,
     console.print(f"[dim]exporting {path} once into {out} (later runs reuse it)[/dim]",
                   highlight=False)
     out.parent.mkdir(parents=True, exist_ok=True)
-    export(path, out, console=console, **options)
+    export(path, out, console=console, summary=False, **options)
     return out
 
 

@@ -161,8 +161,9 @@ class Tokenizer:
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render a conversation to the prompt text the model was trained on."""
         if not self.chat_template:
-            raise EdgespecError("this model has no chat template; use `edgespec generate` "
-                                "with a plain prompt instead.")
+            raise EdgespecError("this model has no chat template (a base model, not a chat "
+                                "one); give it a plain prompt to continue instead (edgespec "
+                                "generate without --chat).")
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,

@@ -231,8 +231,13 @@ def test_spec_without_draft_is_a_clear_error(tmp_path, demo_target):
     export(demo_target, tmp_path / "b", precision="int8")
     engine = edgespec.load(tmp_path / "b")
     assert engine.generate("x", max_new_tokens=3, mode="ar").token_ids
-    with pytest.raises(EdgespecError, match="no draft model"):
+    with pytest.raises(EdgespecError, match="has no draft, so --mode spec cannot run"):
         engine.generate("x", mode="spec")
+    # unasked, the mode is the best one the bundle has: here the target alone
+    assert engine.default_mode == "ar" and edgespec.load().default_mode == "spec"
+    plain = engine.generate("x", max_new_tokens=3)
+    assert plain.stats.mode == "ar" and plain.token_ids == engine.generate(
+        "x", max_new_tokens=3, mode="ar").token_ids
 
 
 def test_unavailable_device_is_a_clear_error(demo_bundle):

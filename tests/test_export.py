@@ -164,7 +164,7 @@ def test_cache_trim_rolls_back(fp32_bundle, demo_target):
 
 
 def test_export_errors(tmp_path, demo_target):
-    with pytest.raises(EdgespecError, match="neither an existing directory nor a Hub id"):
+    with pytest.raises(EdgespecError, match="does not exist; pass a .gguf file, a checkpoint"):
         export("./missing/dir", tmp_path / "b")
     with pytest.raises(EdgespecError, match="'webgpu' is not one of cpu, cuda, dml"):
         export(demo_target, tmp_path / "b", ep_profile="webgpu")

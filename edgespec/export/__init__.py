@@ -154,7 +154,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
            vocab_trim: int | None = None, trim_source: str = "target",
            trim_prompts: list[str] | None = None, kv_cache: str = "float",
            overwrite: bool = False, requantize: bool = False,
-           trust_remote_code: bool = False, console: Console | None = None) -> Manifest:
+           trust_remote_code: bool = False, console: Console | None = None,
+           summary: bool = True) -> Manifest:
     """Export a target (and optionally a draft) checkpoint into a bundle at `out`.
 
     `accuracy_level` is MatMulNBits' activation precision. 4 (default) quantizes
@@ -174,6 +175,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     A GGUF file (target or draft) keeps every quantized tensor's own type, encoded so the
     effective weights are exactly llama.cpp's; its float tensors follow `precision`.
     `requantize=True` dequantizes them instead and quantizes everything to `precision`.
+    `summary=False` leaves out the table of written files.
     """
     console = console or Console(stderr=True)
     draft_precision = draft_precision or precision
@@ -211,7 +213,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                                  block_size, ep_profile, accuracy_level, symmetric, nested,
                                  vocab_trim, trim_source, trim_prompts, kv_cache, overwrite,
                                  console)
-    _summary(console, manifest, sizes, time.time() - start, Path(out))
+    if summary:  # the table of files; an export into the cache only shows its progress
+        _summary(console, manifest, sizes, time.time() - start, Path(out))
     return manifest
 
 

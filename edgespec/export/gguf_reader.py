@@ -229,6 +229,6 @@ def open_reader(path: Path, reader_class: Any = None) -> Any:
                             "a .gguf model, a checkpoint directory or a bundle.")
     try:
         return reader_class(path)
-    except (ValueError, IndexError, OSError, KeyError, UnicodeDecodeError) as e:
-        raise EdgespecError(f"{path} is a damaged or truncated GGUF file ({e}); download it "
-                            "again.") from None
+    except (ValueError, IndexError, OSError, KeyError, UnicodeDecodeError):
+        raise EdgespecError(f"{path} is a damaged or truncated GGUF file (gguf-py cannot "
+                            "read its tensor table); download it again.") from None

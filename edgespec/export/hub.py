@@ -24,8 +24,8 @@ def resolve_checkpoint(name_or_path: str | Path, trust_remote_code: bool = False
         return path
     name = str(name_or_path)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise EdgespecError(f"{name} is neither an existing directory nor a Hub id "
-                            "like 'Qwen/Qwen2.5-0.5B'.")
+        raise EdgespecError(f"{name} does not exist; pass a .gguf file, a checkpoint "
+                            "directory or a Hub id like 'Qwen/Qwen2.5-0.5B'.")
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
