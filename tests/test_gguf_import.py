@@ -146,6 +146,29 @@ def test_gemma_greedy_continuations_equal_transformers(gemma, tmp_path):
         assert got == want[0, len(ids):].tolist()
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma"])
+def test_default_exports_are_batch_invariant(bundles, name):
+    """A token's logits are bitwise the same fed alone or inside 5- and 17-token chains
+    (4-bit GGUF blocks run as blocks of 16, see gguf_codes), so speculation cannot
+    change a greedy answer even at a near-tie."""
+    from edgespec.runtimes.exactness import measure
+
+    engine = edgespec.load(bundles / name, device="cpu")
+    rng = np.random.default_rng(0)
+    prefix, ids = (rng.integers(3, engine.target.vocab, n).tolist() for n in (40, 17))
+    assert measure(engine.target, prefix, ids, trees=()).chain == {5: 0.0, 17: 0.0}
+
+
+def test_greedy_lookup_equals_ar_on_chat_prompts(bundles):
+    engine = edgespec.load(bundles / "smollm2")
+    for question in ("What is the capital of France?", "Repeat after me: red, green, blue, "
+                     "red, green, blue.", "Write a Python function that adds two numbers."):
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": question}])
+        ar = engine.generate(ids, max_new_tokens=48, mode="ar")
+        lookup = engine.generate(ids, max_new_tokens=48, mode="lookup")
+        assert lookup.token_ids == ar.token_ids, question
+
+
 def test_a_gguf_draft_speculates_losslessly(tmp_path):
     """Target and draft both from GGUF files (here the same file: every draft token is
     accepted); greedy speculation gives the bundle's own AR tokens."""

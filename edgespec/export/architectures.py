@@ -84,9 +84,10 @@ def fuse(parts: list[Weight]) -> Weight | list[Weight]:
         return parts
 
     def join(arrays: list[np.ndarray]) -> np.ndarray:
-        """Stored factors along rows; one centre for all (a scalar) stays one where the
-        parts agree."""
-        if all(a.ndim == 0 for a in arrays) and len({int(a) for a in arrays}) == 1:
+        """Stored factors along rows; a factor shared by all rows (a scalar centre, the
+        ones that repeat a scale over two blocks) stays one where the parts agree."""
+        shared = [a.ndim == 0 or a.shape[0] == 1 for a in arrays]
+        if all(shared) and all(np.array_equal(a, arrays[0]) for a in arrays):
             return arrays[0]
         return np.concatenate([np.broadcast_to(a, (p.n * p.packed.shape[1],)) if a.ndim == 0
                                else a for a, p in zip(arrays, parts, strict=True)])
