@@ -80,17 +80,23 @@ def test_smollm2_nested_target_chains_are_bitwise(smollm2_dir):
     assert_chains_exact(smollm2(smollm2_dir, "int8", block=16, draft="nested"))
 
 
+@pytest.fixture(scope="module")
+def smollm2_ar(smollm2_dir):
+    """The default precision (int8) with a BitNest draft, and its greedy AR answers."""
+    engine = edgespec.load(smollm2(smollm2_dir, "int8", block=16, draft="nested"),
+                           device="cpu")
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in CHAT]
+    yield engine, [(ids, engine.generate(ids, max_new_tokens=40, mode="ar").token_ids)
+                   for ids in prompts]
+    engine.close()
+
+
 @pytest.mark.parametrize("kwargs", [dict(mode="lookup"), dict(mode="lookup", draft_tokens=16),
                                     dict(mode="spec"), dict(mode="spec", draft_tokens=8),
                                     dict(mode="spec", adaptive=True)])
-def test_smollm2_greedy_chains_equal_ar(smollm2_dir, kwargs):
-    """The default precision (int8), the BitNest draft for the spec modes and prompt
-    lookup for the other: token-for-token the AR output on chat prompts."""
-    engine = edgespec.load(smollm2(smollm2_dir, "int8", block=16, draft="nested"),
-                           device="cpu")
-    for question in CHAT:
-        ids = engine.tokenizer.encode_chat([{"role": "user", "content": question}])
-        ar = engine.generate(ids, max_new_tokens=40, mode="ar")
-        got = engine.generate(ids, max_new_tokens=40, **kwargs)
-        assert got.token_ids == ar.token_ids, question
-    engine.close()
+def test_smollm2_greedy_chains_equal_ar(smollm2_ar, kwargs):
+    """The BitNest draft for the spec modes, prompt lookup for the other: token for token
+    the AR output on chat prompts."""
+    engine, answers = smollm2_ar
+    for ids, ar in answers:
+        assert engine.generate(ids, max_new_tokens=40, **kwargs).token_ids == ar

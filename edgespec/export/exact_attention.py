@@ -17,13 +17,18 @@ output row is cut off. Cost: two small ops per layer and two per graph.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:  # graph.py imports this module
+    from edgespec.export.graph import GraphBuilder
 
 NEG = float(np.finfo(np.float32).min)
 
 
-def _pad_rows(g, x: str, axis_len: int, axis: int, name: str, mode: str = "edge",
-              value: str = "") -> str:
+def _pad_rows(g: GraphBuilder, x: str, axis_len: int, axis: int, name: str,
+              mode: str = "edge", value: str = "") -> str:
     pads = [0] * (2 * axis_len)
     pads[axis_len + axis] = 1
     inputs = [x, g.const(f"exact.pads.{axis_len}.{axis}", np.array(pads, np.int64))]
@@ -32,7 +37,7 @@ def _pad_rows(g, x: str, axis_len: int, axis: int, name: str, mode: str = "edge"
     return g.node("Pad", inputs, [f"{name}.pad1"], f"{name}.pad1", mode=mode)[0]
 
 
-def padded_bias(g, bias: str) -> str:
+def padded_bias(g: GraphBuilder, bias: str) -> str:
     """[1,1,S,T] -> [1,1,S+1,T+1], the new row and column -inf."""
     def make() -> str:
         value = g.fconst("exact.neg", NEG)
@@ -41,7 +46,7 @@ def padded_bias(g, bias: str) -> str:
     return g.once(f"exact.bias.{bias}", make)
 
 
-def padded_lengths(g, seqlens_k: str, total: str) -> tuple[str, str]:
+def padded_lengths(g: GraphBuilder, seqlens_k: str, total: str) -> tuple[str, str]:
     """GQA's seqlens_k and total length, one more for the extra row."""
     def make(t: str) -> str:
         return g.node("Add", [t, g.const(f"exact.one.{t}", np.array(1, np.int32))],
@@ -50,17 +55,17 @@ def padded_lengths(g, seqlens_k: str, total: str) -> tuple[str, str]:
             g.once(f"exact.{total}", lambda: make(total)))
 
 
-def padded_positions(g) -> str:
+def padded_positions(g: GraphBuilder) -> str:
     return g.once("exact.positions", lambda: _pad_rows(g, "position_ids", 2, 1,
                                                        "position_ids"))
 
 
-def padded_qkv(g, qkv: list[str], name: str) -> list[str]:
+def padded_qkv(g: GraphBuilder, qkv: list[str], name: str) -> list[str]:
     """The query, key and value inputs (empty names stay empty), last row repeated."""
     return [_pad_rows(g, t, 3, 1, f"{name}.{j}") if t else t for j, t in enumerate(qkv)]
 
 
-def first_rows(g, attn: str, name: str) -> str:
+def first_rows(g: GraphBuilder, attn: str, name: str) -> str:
     """The attention output without the extra row."""
     return g.node("Slice", [attn, g.const("exact.zero", np.array([0], np.int64)),
                             g.const("exact.minus1", np.array([-1], np.int64)),

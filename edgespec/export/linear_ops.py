@@ -19,7 +19,12 @@ its 16-bit pair sums, measured wrong by up to 9e6 on full-range codes).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:  # graph.py imports this module
+    from edgespec.export.graph import GraphBuilder
 
 MS = "com.microsoft"
 
@@ -34,7 +39,7 @@ def quantize_rows_u8(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(q.T.astype(np.uint8)), scale
 
 
-def row_scale(g, x: str, name: str) -> tuple[str, str]:
+def row_scale(g: GraphBuilder, x: str, name: str) -> tuple[str, str]:
     """x [1, S, K] -> (codes uint8 [1, S, K], peak [1, S, 1]): each row quantized by its
     own absolute maximum, codes round(127 x / peak) + 128, so no row's codes depend on
     another's. An all-zero row has peak 0 and any codes: its output, codes times its
@@ -49,7 +54,8 @@ def row_scale(g, x: str, name: str) -> tuple[str, str]:
     return codes, peak
 
 
-def rowwise_int8(g, x: str, weight: np.ndarray, name: str, store: str | None = None) -> str:
+def rowwise_int8(g: GraphBuilder, x: str, weight: np.ndarray, name: str,
+                 store: str | None = None) -> str:
     """y = x @ weight.T as an exact integer GEMM: per-row int8 activations, per-channel
     int8 weights, MatMulIntegerToFloat applying the row scale and the column scale."""
     store = store or name
