@@ -222,10 +222,11 @@ def test_plan_sizes_add_up_to_the_bundles_weights(demo_bundle):
 
 
 def test_plan_command(demo_bundle, nested_bundle):
-    r = run("plan", str(demo_bundle), "--gpu-memory", "16MiB", "--context", "1024", "--json")
+    # a budget the demo target does not fit (16.8 MiB of it would need to be resident)
+    r = run("plan", str(demo_bundle), "--gpu-memory", "14MiB", "--context", "1024", "--json")
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
-    assert got["offload"] in ("streamed", "cpu") and got["gpu_bytes"] <= 16 * MiB
+    assert got["offload"] in ("streamed", "cpu") and got["gpu_bytes"] <= 14 * MiB
     assert got["segments"][-1]["start"] == 7 and got["segments"][0] == {
         "start": 0, "stop": 1, "device": "cpu", "streamed": False}
     assert "GPU layer times (no GPU here)" in got["assumed"]
