@@ -24,11 +24,27 @@ from onnx import TensorProto, helper, numpy_helper
 from edgespec.export import exact_attention
 from edgespec.export.architectures import DecoderSpec, LayerWeights, Weight
 from edgespec.quant.bitnest import NestedWeight, nest
-from edgespec.quant.blockwise import QuantizedWeight, dequantize, quantize_blockwise
+from edgespec.quant.blockwise import (
+    QuantizedWeight,
+    dequantize,
+    quantize_blockwise,
+    split_blocks,
+)
 
 OPSET = 21
 MS = "com.microsoft"
 BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def invariant(q: QuantizedWeight) -> QuantizedWeight:
+    """4-bit codes in blocks of more than 16 run as MatMulNBits blocks of 16 (the same
+    weights; scales stored once, repeated at load). ONNX Runtime's one-row kernel for
+    4-bit blocks of 32 sums in another order than its multi-row kernel, so a token's
+    logits depended on how many tokens shared its pass (SmolLM2 Q4_1: 0.74 between a step
+    and a 5-token chain), and greedy speculation could leave AR's path at a near-tie. In
+    blocks of 16 they agree bitwise (8-bit codes do at every block size), at ~0.83x the
+    one-token speed (issue 15's bench_verify_cost, SmolLM2 Q4_1 S=1: 50.8 vs 42.0 ms)."""
+    return split_blocks(q, 16) if q.bits == 4 and q.block_size > 16 else q
 
 
 def rows_of(weight: Weight) -> int:
@@ -284,7 +300,7 @@ class GraphBuilder:
             [f"{store}.zp"], f"{store}.zp")[0])
 
     def _nbits(self, x: str, q: QuantizedWeight, name: str, store: str | None = None) -> str:
-        store = store or name
+        store, q = store or name, invariant(q)
         inputs = [x, self.codes(store, q), self.rebuilt(store, "scales", q)]
         if self.zero_points or not q.symmetric:
             inputs.append(self.zero_point_input(store, q))
@@ -315,6 +331,7 @@ class GraphBuilder:
         """Embedding rows straight from a quantized table (the tied LM head's own codes,
         stored once): S rows gathered, unpacked and dequantized, ((u - z) · s + m) as
         `dequantize` computes it."""
+        q = invariant(q)  # the layout the tied head's MatMulNBits reads
         nb, block = q.packed.shape[1], q.block_size
         codes = self.node("Gather", [self.codes(store, q), ids],
                           [f"{store}.rows"], f"{store}.rows")[0]  # [1, S, nb, bytes]

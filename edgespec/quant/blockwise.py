@@ -63,6 +63,32 @@ class QuantizedWeight:
             mins=None if self.mins is None else self.mins[flat], stored=per_row or None)
 
 
+def split_blocks(q: QuantizedWeight, block: int) -> QuantizedWeight:
+    """The same weights in blocks of `block` (a divisor of q.block_size): every scale,
+    minimum and zero point serves the sub-blocks of its block. Stored factors get a factor
+    of ones that repeats them at load, so nothing is stored twice."""
+    r = q.block_size // block
+    n, nb = q.packed.shape[:2]
+
+    def repeated(parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        ones = np.ones((1,) * parts[0].ndim + (r,), np.uint8)
+        return (*(p[..., None] for p in parts), ones)
+
+    stored = {kind: repeated(parts) for kind, parts in (q.stored or {}).items()
+              if kind in ("scales", "mins")}
+    stored.setdefault("scales", repeated((q.scales.reshape(n, nb, 1),)))
+    if q.mins is not None:
+        stored.setdefault("mins", repeated((q.mins.reshape(n, nb, 1),)))
+    if q.stored and "centre" in q.stored:
+        (centre,) = q.stored["centre"]
+        stored["centre"] = (centre if centre.ndim == 0 else np.repeat(centre, r),)
+    return QuantizedWeight(
+        packed=q.packed.reshape(n, nb * r, -1), scales=np.repeat(q.scales, r),
+        zero_points=np.repeat(q.zero_points, r, axis=1), bits=q.bits, block_size=block,
+        n=n, k=q.k, symmetric=q.symmetric,
+        mins=None if q.mins is None else np.repeat(q.mins, r), stored=stored)
+
+
 def pack_rows(codes: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned codes along the last axis, `8 // bits` per byte, low bits first."""
     per_byte = 8 // bits

@@ -24,8 +24,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from edgespec.quant.blockwise import QuantizedWeight, pack_rows
 
-FOUR_BIT_BLOCK = 16  # see _weight: what makes 4-bit imports batch invariant
-
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """A float16 field of every block, [N, nb, 1]."""
@@ -65,20 +63,7 @@ def _weight(codes: np.ndarray, bits: int, block: int, zero: int, scale_parts: tu
     so the effective weights stay bitwise gguf-py's.
     5- and 6-bit values (8-bit codes) are stored as 4-bit low parts and `high_bits`-bit
     high parts, as GGUF packs them, and widened to bytes at session load.
-    4-bit blocks of 32 are handed to MatMulNBits as blocks of 16 (each scale, minimum and
-    zero point serving both halves; stored once, repeated at load): ONNX Runtime's
-    one-row kernel for 4-bit blocks of 32 sums in another order than its multi-row one,
-    so a token's logits would depend on how many tokens share its pass (SmolLM2 Q4_1: up
-    to 0.74 between a step and a 5-token chain), which breaks greedy speculation's
-    equality with AR at near-ties; with blocks of 16 the two agree bitwise.
     """
-    if bits == 4 and block > FOUR_BIT_BLOCK:
-        halves = np.ones((1,) * scale_parts[0].ndim + (2,), np.uint8)  # [1, 1, 1, 2]
-        codes = codes.reshape(codes.shape[0], -1, FOUR_BIT_BLOCK)
-        block = FOUR_BIT_BLOCK
-        scale_parts = (*(p[..., None] for p in scale_parts), halves)
-        if min_parts is not None:
-            min_parts = (*(p[..., None] for p in min_parts), halves)
     n, nb = codes.shape[:2]
     scales = _product(scale_parts)
     stored: dict[str, tuple] = {"scales": scale_parts}
