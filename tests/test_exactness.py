@@ -46,6 +46,15 @@ def test_nested_demo_target_chains_are_bitwise(tmp_path, demo_target):
     assert_chains_exact(out)
 
 
+@pytest.mark.parametrize("kwargs", [dict(precision="int4"), dict(draft="nested")],
+                         ids=["int4", "nested"])
+def test_4bit_blocks_of_32_are_exact_as_exported(tmp_path, demo_target, kwargs):
+    """At the default block size (32) too: 4-bit codes reach MatMulNBits in blocks of 16
+    (graph.invariant), whose one-row and multi-row kernels agree."""
+    export(demo_target, tmp_path / "b", **kwargs)
+    assert_chains_exact(tmp_path / "b")
+
+
 def test_decoy_tree_hides_the_path_behind_siblings():
     tree, path = decoy_tree([5, 6, 7, 8], vocab=100)
     assert [tree.tokens[n] for n in path] == [6, 7, 8]
