@@ -54,6 +54,7 @@ def source_hash(path: Path) -> str:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
         memo = {}
+    known = json.dumps(memo, sort_keys=True)
     if path.is_file():
         digest = _file_hash(path, memo)
     else:
@@ -63,6 +64,8 @@ def source_hash(path: Path) -> str:
         for p in files:
             h.update(f"{p.name}:{_file_hash(p, memo)}\n".encode())
         digest = h.hexdigest()
+    if json.dumps(memo, sort_keys=True) == known:  # nothing new to remember
+        return digest
     try:
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
