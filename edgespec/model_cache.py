@@ -121,8 +121,9 @@ def resolve_model(model: str | Path | None, console: Console | None = None) -> P
         raise EdgespecError(f"{path} is neither a bundle (no {MANIFEST}) nor a Hugging Face "
                             "checkpoint (no config.json); pass a bundle, a .gguf file, a "
                             "checkpoint directory or a Hub id.")
-    if not path.exists() and (str(model).startswith((".", "/", "~"))
-                              or str(model).count("/") != 1):
+    from edgespec.export.hub import looks_like_hub_id  # edgespec.export: heavy, lazily
+
+    if not path.exists() and not looks_like_hub_id(str(model)):
         raise EdgespecError(f"{model} does not exist; pass a bundle directory, a .gguf file, "
                             "a checkpoint directory or a Hub id like 'Qwen/Qwen2.5-0.5B'.")
     return cached_bundle(model, console)

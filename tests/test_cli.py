@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,9 +12,11 @@ import pytest
 from edgespec.bundle import MANIFEST
 
 
-def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def run(*args: str, stdin: str | None = None, env: dict | None = None,
+        timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edgespec.cli", *args], input=stdin,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def test_generate_json_on_demo_bundle():

@@ -4,9 +4,7 @@ transformers' own GGUF loading (an independent dequantizer and tokenizer convers
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import gguf
@@ -20,6 +18,7 @@ from edgespec.export import export
 from edgespec.runtimes import DecoderSession
 from edgespec.tokenizer import Tokenizer
 from tests.real_models import gemma_gguf, smollm2_gguf
+from tests.test_cli import run
 
 # held-out text: prose, code and a list, none of it in edgespec's built-in prompts
 HELD_OUT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, "
@@ -188,8 +187,7 @@ def test_bundles_are_no_bigger_than_the_files(bundles):
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgespec.cli", *args], capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+    return run(*args, env=env, timeout=600)  # exports of real models take a while
 
 
 def test_model_option_takes_a_gguf_file_and_exports_it_once(tmp_path, bundles):

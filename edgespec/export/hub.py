@@ -16,14 +16,19 @@ PATTERNS = ["config.json", "generation_config.json", "*.safetensors",
             "special_tokens_map.json", "chat_template.jinja"]
 
 
+def looks_like_hub_id(name: str) -> bool:
+    """'owner/model': one slash, not a path."""
+    return not name.startswith((".", "/", "~")) and name.count("/") == 1
+
+
 def resolve_checkpoint(name_or_path: str | Path, trust_remote_code: bool = False) -> Path:
+    """A local directory as it is (files are GGUF models, export.source's business), or a
+    Hub id downloaded."""
     path = Path(name_or_path).expanduser()
     if path.exists():
-        if not path.is_dir():
-            raise EdgespecError(f"{path} is a file; pass a checkpoint directory or a Hub id.")
         return path
     name = str(name_or_path)
-    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+    if not looks_like_hub_id(name):
         raise EdgespecError(f"{name} does not exist; pass a .gguf file, a checkpoint "
                             "directory or a Hub id like 'Qwen/Qwen2.5-0.5B'.")
     try:
