@@ -1,97 +1,168 @@
-"""`edgespec bench`: every decoding mode on a Spec-Bench-style prompt set, side by side.
+"""`edgespec bench`: every decoding mode the bundle has, side by side on a prompt set.
 
-Each prompt runs in every mode in turn (interleaved, in one process), so the speedups
-compare like with like on the same machine state. Speed is decode tokens per second
-(prefill excluded); greedy outputs are also compared with AR's, and a mode whose output
-differs is flagged, since that would be a losslessness bug.
+Each prompt runs in every mode and at every temperature in turn (interleaved, in one
+process, the modes' order rotating from prompt to prompt), so the ratios compare like with
+like on the same machine state. Speed is decode tokens per second (prefill excluded).
+Greedy outputs are compared with AR's, and a mode whose output differs is flagged, since
+that would be a losslessness bug. The modes come from the bundle: the model-draft modes
+run with whatever draft it carries (a separate draft, a nested BitNest one, a draft head),
+"default" is what `edgespec generate` does with no flags, and lookup needs no draft.
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from importlib.resources import files
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from edgespec.engine import Engine
+from edgespec.bench_sets import prompt_ids
+from edgespec.engine import Engine, GenerationConfig
 from edgespec.spec import GenerationStats
 
-MODES: dict[str, dict[str, Any]] = {
-    "ar": dict(mode="ar"),
-    "chain γ=4": dict(mode="spec", draft_tokens=4),
-    "chain adaptive": dict(mode="spec", draft_tokens=6, adaptive=True),
-    "tree 16": dict(mode="spec", tree_budget=16, tree_depth=5, tree_top_k=3),
-    "lookup": dict(mode="lookup", draft_tokens=4),
+# id -> (label, GenerationConfig fields); "default" is GenerationConfig()'s own choice
+MODES: dict[str, tuple[str, dict[str, Any]]] = {
+    "ar": ("ar", dict(mode="ar")),
+    "chain": ("chain γ=4", dict(mode="spec", draft_tokens=4)),
+    "adaptive": ("chain adaptive", dict(mode="spec", draft_tokens=6, adaptive=True)),
+    "tree": ("tree 16", dict(mode="spec", tree_budget=16, tree_depth=5, tree_top_k=3)),
+    "lookup": ("lookup", dict(mode="lookup", draft_tokens=4)),
+    "default": ("default", dict()),  # last: a named mode it equals keeps its name
 }
+DEFAULT_TEMPERATURES = (0.0, 0.7)
 
 
-def load_prompts() -> list[dict[str, Any]]:
-    return json.loads((files("edgespec") / "assets" / "bench_prompts.json").read_text())[
-        "prompts"]
+def draft_description(engine: Engine) -> str:
+    """What the spec modes draft with, from the manifest."""
+    d = engine.manifest.draft
+    if engine.draft is None or d is None:
+        return "none"
+    if d.nested:
+        return f"nested (BitNest, {d.precision})"
+    return f"{d.architecture} {d.precision}, {d.params / 1e6:.1f}M parameters"
 
 
-def run_bench(engine: Engine, max_new_tokens: int = 64, limit: int | None = None,
-              progress=None, temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
-    """Per category and mode: tokens/s, speedup vs AR, tokens per target pass, acceptance.
-    With a temperature, outputs are sampled (seeded) and not compared with AR's."""
-    prompts = load_prompts()[:limit]
-    modes = {name: kw for name, kw in MODES.items()
-             if kw["mode"] != "spec" or engine.draft is not None}
-    stats: dict[tuple[str, str], list[GenerationStats]] = defaultdict(list)
-    differs: dict[str, int] = defaultdict(int)
-    engine.generate("x", max_new_tokens=4, mode="ar")  # warm-up
-    for i, item in enumerate(prompts):
-        ids = (engine.tokenizer.encode_chat(item["messages"]) if "messages" in item
-               else engine.tokenizer.encode(item["prompt"]))
-        # a model with a short context (the demo's 512) keeps the prompt's end
-        ids = ids[-max(1, engine.context_length - max_new_tokens - 1):]
-        reference = None
-        for name, kwargs in modes.items():
-            engine.reset()  # every mode prefills from scratch
-            result = engine.generate(ids, max_new_tokens=max_new_tokens,
-                                     temperature=temperature, seed=seed + i, **kwargs)
-            reference = reference or result.token_ids
-            differs[name] += temperature == 0 and result.token_ids != reference
-            stats[item["category"], name].append(result.stats)
-            stats["all", name].append(result.stats)
-        if progress:
-            progress(i + 1, len(prompts))
-    rows = []
-    for (category, name), group in stats.items():
-        decode_s = sum(s.wall_s - s.prefill_s for s in group)
-        tokens = sum(s.new_tokens - 1 for s in group)
-        drafted = sum(s.drafted for s in group)
-        rows.append({"category": category, "mode": name,
-                     "tokens_per_s": tokens / decode_s if decode_s else 0.0,
-                     "tokens_per_target_pass": tokens / max(1, sum(s.target_passes - 1
-                                                                   for s in group)),
-                     "acceptance": sum(s.accepted for s in group) / drafted if drafted
-                     else None, "greedy_differs_from_ar": differs[name],
-                     "overhead_share": 1 - sum(s.runtime_s for s in group)
-                     / sum(s.wall_s for s in group)})
+def bench_modes(engine: Engine,
+                wanted: tuple[str, ...] = ()) -> tuple[dict[str, GenerationConfig], str]:
+    """label -> config for the modes this bundle can run (all, or the ids in `wanted`; AR
+    always, the ratios need it), and the label of the one `edgespec generate` runs with no
+    flags ("default" only when it equals none of the others)."""
+    default = replace(GenerationConfig(), mode=engine.default_mode)
+    configs: dict[str, GenerationConfig] = {}
+    for key, (label, fields) in MODES.items():
+        config = GenerationConfig(**fields) if fields else default
+        if (wanted and key not in wanted and key != "ar") or \
+                (config.mode == "spec" and engine.draft is None):
+            continue
+        if config not in configs.values():
+            configs[label] = config
+    return configs, next(name for name, c in configs.items() if c == default) \
+        if default in configs.values() else ""
+
+
+def _row(group: list[GenerationStats]) -> dict[str, Any]:
+    decode_s = sum(s.wall_s - s.prefill_s for s in group)
+    tokens = sum(s.new_tokens - 1 for s in group)
+    drafted = sum(s.drafted for s in group)
+    return {"tokens_per_s": tokens / decode_s if decode_s else 0.0,
+            "tokens_per_target_pass": tokens / max(1, sum(s.target_passes - 1 for s in group)),
+            "acceptance": sum(s.accepted for s in group) / drafted if drafted else None,
+            "new_tokens": sum(s.new_tokens for s in group),
+            "prompt_tokens": sum(s.prompt_tokens for s in group) / len(group),
+            "overhead_share": 1 - sum(s.runtime_s for s in group)
+            / max(1e-9, sum(s.wall_s for s in group))}
+
+
+def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int = 64,
+              temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES, rounds: int = 1,
+              modes: tuple[str, ...] = (), seed: int = 0,
+              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Per category, temperature and mode: tokens/s, speedup vs AR (with its range over
+    rounds), tokens per target pass, acceptance. Sampled runs are seeded per prompt and
+    not compared with AR's output."""
+    configs, default = bench_modes(engine, modes)
+    names = list(configs)
+    ids = [prompt_ids(engine.tokenizer, p) for p in prompts]
+    # a model with a short context (the demo's 512) keeps the prompt's end
+    ids = [x[-max(1, engine.context_length - max_new_tokens - 1):] for x in ids]
+    stats: dict[tuple[int, str, float, str], list[GenerationStats]] = defaultdict(list)
+    differs: dict[tuple[str, float, str], int] = defaultdict(int)
+    for config in configs.values():  # warm-up: each mode's first pass allocates
+        engine.reset()
+        engine.generate("x", replace(config, max_new_tokens=4))
+    done, total = 0, rounds * len(prompts) * len(temperatures)
+    for r in range(rounds):
+        for i, (item, prompt) in enumerate(zip(prompts, ids, strict=True)):
+            for t in temperatures:
+                shift = (i + r) % len(names)
+                outputs = {}
+                for name in names[shift:] + names[:shift]:
+                    engine.reset()  # every mode prefills from scratch
+                    result = engine.generate(prompt, replace(
+                        configs[name], max_new_tokens=max_new_tokens, temperature=t,
+                        seed=seed + i))
+                    outputs[name] = result.token_ids
+                    for category in (item["category"], "all"):
+                        stats[r, category, t, name].append(result.stats)
+                if t == 0:
+                    for name in names:
+                        differs[item["category"], t, name] += outputs[name] != outputs["ar"]
+                        differs["all", t, name] += outputs[name] != outputs["ar"]
+                done += 1
+                if progress:
+                    progress(done, total)
     order = [*dict.fromkeys(p["category"] for p in prompts), "all"]
-    rows.sort(key=lambda r: (order.index(r["category"]), list(modes).index(r["mode"])))
-    ar_speed = {r["category"]: r["tokens_per_s"] for r in rows if r["mode"] == "ar"}
-    for r in rows:
-        r["speedup_vs_ar"] = r["tokens_per_s"] / ar_speed[r["category"]]
-    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "temperature": temperature, "device": engine.devices, "rows": rows}
+    rows = []
+    for category in order:
+        for t in temperatures:
+            merged = {n: [s for r in range(rounds) for s in stats[r, category, t, n]]
+                      for n in names}
+            ar = _row(merged["ar"])["tokens_per_s"]
+            for name in names:
+                row = {"category": category, "temperature": t, "mode": name,
+                       "is_default": name == default,
+                       **_row(merged[name]),
+                       "greedy_differs_from_ar": differs[category, t, name] if t == 0 else None}
+                row["speedup_vs_ar"] = row["tokens_per_s"] / ar if ar else 0.0
+                per_round = [_row(stats[r, category, t, name])["tokens_per_s"]
+                             / max(1e-9, _row(stats[r, category, t, "ar"])["tokens_per_s"])
+                             for r in range(rounds)]
+                row["speedup_range"] = [min(per_round), max(per_round)]
+                rows.append(row)
+    return {"prompts": len(prompts), "categories": order[:-1], "rounds": rounds,
+            "max_new_tokens": max_new_tokens, "temperatures": list(temperatures),
+            "device": engine.devices, "draft": draft_description(engine),
+            "default_mode": default,
+            "prompt_format": "chat template" if engine.tokenizer.chat_template
+            else "plain text (no chat template)", "rows": rows}
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"edgespec bench: {report['prompts']} prompts, "
-                        f"{report['max_new_tokens']} new tokens, temperature "
-                        f"{report['temperature']}, {report['device']}")
-    for col in ("category", "mode", "tok/s", "vs AR", "tokens/pass", "acceptance",
+    table = Table(title=f"edgespec bench: {report['prompts']} prompts × {report['rounds']} "
+                        f"round(s), {report['max_new_tokens']} new tokens, "
+                        f"{report['device']}, draft: {report['draft']}")
+    for col in ("category", "T", "mode", "tok/s", "vs AR", "tokens/pass", "acceptance",
                 "overhead"):
         table.add_column(col, justify="left" if col in ("category", "mode") else "right")
-    for r in report["rows"]:
-        flag = " [red]≠AR[/red]" if r["greedy_differs_from_ar"] else ""
-        table.add_row(r["category"], r["mode"] + flag, f"{r['tokens_per_s']:.1f}",
-                      f"{r['speedup_vs_ar']:.2f}×", f"{r['tokens_per_target_pass']:.2f}",
+    rows = report["rows"]
+    for n, r in enumerate(rows):
+        flag = (" *" if r["is_default"] else "") + \
+            (" [red]≠AR[/red]" if r["greedy_differs_from_ar"] else "")
+        low, high = r["speedup_range"]
+        spread = f" ({low:.2f}–{high:.2f})" if report["rounds"] > 1 else ""
+        last = n + 1 == len(rows) or rows[n + 1]["temperature"] != r["temperature"]
+        table.add_row(r["category"], f"{r['temperature']:g}", r["mode"] + flag,
+                      f"{r['tokens_per_s']:.1f}", f"{r['speedup_vs_ar']:.2f}×{spread}",
+                      f"{r['tokens_per_target_pass']:.2f}",
                       "" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
-                      f"{r['overhead_share']:.0%}")
+                      f"{r['overhead_share']:.0%}", end_section=last)
     console.print(table)
+    console.print(f"* what `edgespec generate` runs with no flags ({report['default_mode']}); "
+                  "vs AR: decode tok/s over AR's in the same run"
+                  + (", (range over rounds)" if report["rounds"] > 1 else "") + ".")
+    if any(r["greedy_differs_from_ar"] for r in rows):
+        console.print("[red]≠AR[/red]: a greedy output differed from AR's on this many "
+                      "prompts (see greedy_differs_from_ar in --json).")

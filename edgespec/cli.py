@@ -71,6 +71,7 @@ def runtime_options(command: Callable) -> Callable:
     for option in (threads_option, gpu_memory_option, draft_device, device_option):
         wrapper = option(wrapper)
     return wrapper
+MODE_IDS = ("ar", "chain", "adaptive", "tree", "lookup", "default")  # edgespec.bench.MODES
 mode_option = click.option("--mode", type=click.Choice(["ar", "spec", "lookup"]),
                            help="ar: target alone; spec: draft model speculation (the "
                                 "default when the bundle has a draft, else ar); "
@@ -396,23 +397,45 @@ def serve(model: str | None, host: str, port: int, api_key: str | None,
 @model_option
 @runtime_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--prompts", "prompt_set", type=click.Choice(["auto", "demo", "real"]),
+              default="auto", show_default=True,
+              help="demo: Python-code prompts for the demo pair; real: chat, multi-turn, "
+                   "code, summarization and RAG prompts for real models (auto: demo for the "
+                   "demo bundle, else real).")
+@click.option("--category", "categories", multiple=True,
+              help="Only this category (repeatable).")
+@click.option("--limit", type=click.IntRange(min=1),
+              help="Use only the first N prompts of each category.")
+@click.option("--mode", "modes", multiple=True, type=click.Choice(list(MODE_IDS)),
+              help="Only this mode (repeatable; AR always runs, the ratios need it).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=2))
-@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N prompts.")
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0),
-              help="0: greedy (outputs checked against AR); > 0: seeded sampling.")
-def bench(model: str | None, runtime: dict, as_json: bool, max_new_tokens: int,
-          limit: int | None, temperature: float) -> None:
-    """Benchmark every decoding mode on the shipped prompt set (50 prompts, 5 categories)."""
+@click.option("--temperature", "temperatures", multiple=True, type=click.FloatRange(min=0),
+              help="Repeatable; 0: greedy (outputs checked against AR), > 0: seeded "
+                   "sampling [default: 0 and 0.7].")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Run the whole set this many times, interleaved (ratios get a range).")
+def bench(model: str | None, runtime: dict, as_json: bool, prompt_set: str,
+          categories: tuple[str, ...], limit: int | None, modes: tuple[str, ...],
+          max_new_tokens: int, temperatures: tuple[float, ...], rounds: int) -> None:
+    """Benchmark every decoding mode the model has on a shipped prompt set, per category,
+    greedy and sampled, interleaved in one run."""
     from rich.progress import Progress
 
-    from edgespec.bench import print_table, run_bench
+    from edgespec.bench import DEFAULT_TEMPERATURES, print_table, run_bench
+    from edgespec.bench_sets import load_set, select
 
+    if prompt_set == "auto":
+        prompt_set = "demo" if model is None else "real"
+    prompts = select(load_set(prompt_set), categories, limit)
     engine = open_model(model, runtime)
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("benchmarking", total=None)
-        report = run_bench(engine, max_new_tokens, limit,
-                           lambda done, total: progress.update(task, completed=done,
-                                                               total=total), temperature)
+        report = run_bench(engine, prompts, max_new_tokens,
+                           temperatures or DEFAULT_TEMPERATURES, rounds, modes,
+                           progress=lambda done, total: progress.update(
+                               task, completed=done, total=total))
+    report.update(model=model or "demo", prompt_set=prompt_set,
+                  threads=runtime["threads"] or CORES)
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:

@@ -146,22 +146,58 @@ def test_import_is_light():
 
 
 def test_bench_json_runs_every_mode_losslessly():
-    out = run("bench", "--limit", "3", "--max-new-tokens", "12", "--json")
+    out = run("bench", "--limit", "1", "--max-new-tokens", "12", "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
+    assert report["prompt_set"] == "demo" and report["temperatures"] == [0.0, 0.7]
     modes = {r["mode"] for r in report["rows"]}
-    assert {"ar", "chain γ=4", "chain adaptive", "tree 16", "lookup"} <= modes
-    assert all(r["greedy_differs_from_ar"] == 0 for r in report["rows"])
+    assert modes == {"ar", "chain γ=4", "chain adaptive", "tree 16", "lookup"}
+    # the demo bundle's default (what generate runs with no flags) is the γ=4 chain
+    assert {r["mode"] for r in report["rows"] if r["is_default"]} == {"chain γ=4"}
+    greedy = [r for r in report["rows"] if r["temperature"] == 0]
+    assert all(r["greedy_differs_from_ar"] == 0 for r in greedy)
+    assert all(r["greedy_differs_from_ar"] is None for r in report["rows"]
+               if r["temperature"] > 0)
     assert all(r["speedup_vs_ar"] == 1.0 for r in report["rows"] if r["mode"] == "ar")
-    spec = next(r for r in report["rows"] if r["mode"] == "chain γ=4" and
-                r["category"] == "all")
+    for t in (0.0, 0.7):
+        rows = [r for r in report["rows"] if r["temperature"] == t and r["mode"] == "ar"]
+        # "all" pools the categories: its tokens are theirs summed
+        assert rows[-1]["category"] == "all"
+        assert rows[-1]["new_tokens"] == sum(r["new_tokens"] for r in rows[:-1])
+    spec = next(r for r in greedy if r["mode"] == "chain γ=4" and r["category"] == "all")
     assert spec["tokens_per_target_pass"] > 1
 
 
-def test_bench_prompt_set_is_shipped():
-    from edgespec.bench import load_prompts
+def test_bench_on_the_real_set_with_chosen_modes_and_rounds():
+    out = run("bench", "--prompts", "real", "--category", "chat", "--category", "code",
+              "--limit", "1", "--mode", "lookup", "--temperature", "0", "--rounds", "2",
+              "--max-new-tokens", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["categories"] == ["chat", "code"] and report["prompts"] == 2
+    assert {r["mode"] for r in report["rows"]} == {"ar", "lookup"}  # AR always runs
+    assert all(r["greedy_differs_from_ar"] == 0 for r in report["rows"])
+    low, high = next(r for r in report["rows"] if r["mode"] == "lookup" and
+                     r["category"] == "all")["speedup_range"]
+    assert 0 < low <= high
 
-    prompts = load_prompts()
+
+def test_bench_refuses_an_unknown_category():
+    out = run("bench", "--prompts", "real", "--category", "poetry")
+    assert_user_error(out, "no category poetry", "chat, multi-turn, code")
+
+
+def test_bench_mode_ids_match_the_bench_modes():
+    from edgespec.bench import MODES
+    from edgespec.cli import MODE_IDS
+
+    assert tuple(MODES) == MODE_IDS
+
+
+def test_bench_prompt_set_is_shipped():
+    from edgespec.bench_sets import load_set
+
+    prompts = load_set("demo")
     assert len(prompts) >= 40
     assert {p["category"] for p in prompts} == {"completion", "editing", "docstring", "chat",
                                                 "summarization"}
