@@ -13,6 +13,7 @@ from edgespec.bench_sets import REAL_CATEGORIES, load_set, plain_text, select
 
 ASSETS = Path(__file__).resolve().parents[1] / "edgespec" / "assets"
 N = 13
+SHORT, N_SHORT = 40, 6
 
 
 def strings(value: object) -> Iterator[str]:
@@ -51,9 +52,9 @@ def words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
 
-def ngrams(text: str) -> set[tuple[str, ...]]:
+def ngrams(text: str, n: int = N) -> set[tuple[str, ...]]:
     w = words(text)
-    return {tuple(w[i:i + N]) for i in range(len(w) - N + 1)}
+    return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
 
 
 def overlaps(prompts: list[dict], texts: list[tuple[Path, str]]) -> list[str]:
@@ -61,11 +62,12 @@ def overlaps(prompts: list[dict], texts: list[tuple[Path, str]]) -> list[str]:
     training text."""
     found = []
     for path, text in texts:
-        grams, flat = ngrams(text), " ".join(words(text))
+        grams, short, flat = ngrams(text), ngrams(text, N_SHORT), " ".join(words(text))
         for p in prompts:
             for m in p["messages"]:
-                mine = " ".join(words(m["content"]))
-                if (mine and mine in flat) or ngrams(m["content"]) & grams:
+                mine = words(m["content"])
+                if (mine and " ".join(mine) in flat) or ngrams(m["content"]) & grams or \
+                        (len(mine) < SHORT and ngrams(m["content"], N_SHORT) & short):
                     found.append(f"{p['id']} ~ {path.name}")
                     break
     return found
@@ -111,10 +113,14 @@ def test_the_overlap_check_finds_a_copied_prompt_and_a_shared_run(tmp_path):
     (tmp_path / "copied.json").write_text(json.dumps({"prompts": [{"text": chat.upper()}]}))
     (tmp_path / "shared.jsonl").write_text(json.dumps({"p": f"Intro. {run} outro"}) + "\n")
     (tmp_path / "clean.txt").write_text("Write a limerick about a sleepy owl.\n" * 20)
+    # six words of a short instruction, in a sentence of its own
+    short = " ".join(words(chat)[2:2 + N_SHORT])
+    (tmp_path / "short.txt").write_text(f"Please, {short}, thanks.\n")
     (tmp_path / "weights.bin").write_bytes(bytes(range(256)))
     found = overlaps(prompts, list(training_texts(tmp_path)))
     assert "chat-03 ~ copied.json" in found
     assert any(f.endswith("~ shared.jsonl") and f.startswith("rag-") for f in found)
+    assert "chat-03 ~ short.txt" in found
     assert not any("clean.txt" in f for f in found)
 
 
