@@ -116,8 +116,14 @@ def cli() -> None:
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               show_default=True,
               help="Quantized matmuls: 4 = int8 activations (fast on CPU), 0 = fp32.")
-@click.option("--quant", type=click.Choice(["sym", "asym"]), default="sym", show_default=True,
-              help="int4/int2 blocks: symmetric, or with a zero point each.")
+@click.option("--quant", type=click.Choice(["k", "sym", "asym"]), default="k", show_default=True,
+              help="k: int4/int8 as llama.cpp's Q4_K_M/Q8_0 recipe (its types and error "
+                   "search, importance-weighted; --block-size does not apply); sym/asym: "
+                   "plain blocks of --block-size, asym with a zero point each (int2 and "
+                   "--draft nested always).")
+@click.option("--calibration", default="self", show_default=True,
+              help="--quant k's importance weights: 'self' (the model's own generations), "
+                   "a text file, or 'none'.")
 @click.option("--vocab-trim", type=click.IntRange(min=1),
               help="Keep only the K most frequent tokens in the draft's LM head.")
 @click.option("--trim-source", default="target", show_default=True,
@@ -133,7 +139,8 @@ def cli() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing bundle at --out.")
 def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
            draft_precision: str | None, block_size: str, ep_profile: str, accuracy_level: str,
-           quant: str, vocab_trim: int | None, trim_source: str, kv_cache: str,
+           quant: str, calibration: str, vocab_trim: int | None, trim_source: str,
+           kv_cache: str,
            requantize: bool, trust_remote_code: bool, overwrite: bool) -> None:
     """Export a TARGET (a .gguf file, a Hugging Face checkpoint directory or a Hub id) and
     a draft into a bundle."""
@@ -156,9 +163,35 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     run_export(target, out, draft=draft, precision=precision,
                draft_precision=draft_precision, block_size=int(block_size),
                ep_profile=ep_profile, accuracy_level=int(accuracy_level),
-               symmetric=quant == "sym", vocab_trim=vocab_trim, trim_source=trim_source,
+               quant=quant, calibration=None if calibration == "none" else calibration,
+               vocab_trim=vocab_trim, trim_source=trim_source,
                kv_cache=kv_cache, overwrite=overwrite, requantize=requantize,
                trust_remote_code=trust_remote_code, console=err)
+
+
+@cli.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--reference", required=True,
+              help="What the bundle should follow: a bundle, checkpoint directory or .gguf "
+                   "file (exported in fp32 for the purpose).")
+@click.option("--text", type=click.Path(path_type=Path),
+              help="Text to score (default: Python's fractions.py, held out of training and "
+                   "calibration).")
+@click.option("--ctx", type=click.IntRange(min=8), default=256, show_default=True,
+              help="Tokens per chunk; the second half of each is scored.")
+@click.option("--chunks", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: int,
+            as_json: bool) -> None:
+    """KL, top-1 agreement and perplexity of BUNDLE against its reference model, as
+    llama-perplexity --kl-divergence reports them."""
+    from edgespec.quality import measure, table
+
+    q = measure(bundle, Path(reference), text, ctx, chunks, console=err)
+    if as_json:
+        click.echo(json.dumps(q.as_dict()))
+    else:
+        Console().print(table(q, f"{bundle} vs {reference}"))
 
 
 @cli.command("vocab-trim")

@@ -126,7 +126,7 @@ def test_export_refuses_existing_output(tmp_path, demo_target):
 def test_export_then_generate(tmp_path, demo_target, demo_draft):
     out = run("export", str(demo_target), "--draft", str(demo_draft), "--out",
               str(tmp_path / "b"), "--precision", "int4", "--draft-precision", "int8",
-              "--block-size", "64")
+              "--quant", "sym", "--block-size", "64")
     assert out.returncode == 0, out.stderr
     assert "target.onnx" in out.stderr  # the summary table
     gen = run("generate", "def f(x):", "--model", str(tmp_path / "b"), "--json",
@@ -134,6 +134,47 @@ def test_export_then_generate(tmp_path, demo_target, demo_draft):
     assert gen.returncode == 0, gen.stderr
     manifest = json.loads((tmp_path / "b" / MANIFEST).read_text())
     assert manifest["target"]["precision"] == "int4" and manifest["target"]["block_size"] == 64
+    assert manifest["draft"]["block_size"] == 64
+
+
+def test_export_k_recipe_then_quality(tmp_path, demo_target):
+    """The default int4 (the GGUF recipe) from the command line, a user calibration text,
+    then `edgespec quality` against the float checkpoint: JSON figures in range, and the
+    bundle against itself is exact."""
+    text = tmp_path / "calib.txt"
+    text.write_text("def mean(xs):\n    return sum(xs) / len(xs)\n" * 40)
+    out = run("export", str(demo_target), "--out", str(tmp_path / "b"), "--precision",
+              "int4", "--calibration", str(text))
+    assert out.returncode == 0, out.stderr
+    manifest = json.loads((tmp_path / "b" / MANIFEST).read_text())
+    assert manifest["target"]["block_size"] is None
+    assert manifest["provenance"]["quant"] == "k"
+    assert manifest["provenance"]["calibration"] == "calib.txt"
+    q = run("quality", str(tmp_path / "b"), "--reference", str(demo_target), "--json",
+            "--chunks", "2")
+    assert q.returncode == 0, q.stderr
+    figures = json.loads(q.stdout)
+    assert 0 < figures["kl"] < 0.05 and figures["top1"] > 0.85 and figures["tokens"] == 256
+    assert figures["ppl"] > figures["reference_ppl"] * 0.95
+    same = json.loads(run("quality", str(tmp_path / "b"), "--reference", str(tmp_path / "b"),
+                          "--json", "--chunks", "2").stdout)
+    assert same["kl"] == 0 and same["top1"] == 1 and same["ppl"] == same["reference_ppl"]
+    table = run("quality", str(tmp_path / "b"), "--reference", str(tmp_path / "b"),
+                "--chunks", "1")
+    assert "KL mean" in table.stdout and "top-1" in table.stdout
+    short = tmp_path / "short.txt"
+    short.write_text("def f(): pass\n")
+    assert_user_error(run("quality", str(tmp_path / "b"), "--reference", str(demo_target),
+                          "--text", str(short)), "fewer than one chunk")
+
+
+def test_quality_refuses_bad_input(tmp_path, demo_target):
+    assert_user_error(run("quality", str(demo_target), "--reference", str(demo_target)),
+                      "edgespec.json")
+    assert_user_error(run("export", str(demo_target), "--out", str(tmp_path / "c"),
+                          "--precision", "int4", "--calibration", str(tmp_path / "none.txt")),
+                      "is not a file")
+    assert not (tmp_path / "c").exists()
 
 
 def test_import_is_light():

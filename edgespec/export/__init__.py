@@ -22,8 +22,10 @@ from edgespec import __version__
 from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
+from edgespec.export.calibrate import add_stat_outputs, importance
 from edgespec.export.graph import build_decoder, kv_head_dim, rows_of
 from edgespec.export.kv_quant import calibrate_target, kv_scales
+from edgespec.export.requant import Requantizer
 from edgespec.export.source import Source, open_source
 from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
 from edgespec.quant.blockwise import QuantizedWeight
@@ -68,12 +70,24 @@ def check_same_vocab(target: Path, draft: Path) -> None:
                         "same model family.")
 
 
+def uses_recipe(quant: str, precision: str, ep_profile: str, nested: bool) -> bool:
+    """Whether a model's float weights take the GGUF recipe (quant.recipe): int4 and int8
+    with quant "k", except for BitNest (its own nested codes) and the dml profile (its
+    MatMulNBits wants zero points, which minimums and 8-bit codes cannot carry)."""
+    return quant == "k" and precision in ("int4", "int8") and not nested and ep_profile != "dml"
+
+
 def _export_model(source: Source, role: str, out: Path, precision: str, block_size: int,
-                  accuracy_level: int, ep_profile: str, symmetric: bool,
+                  accuracy_level: int, ep_profile: str, quant: str,
                   progress: Progress, head_rows: np.ndarray | None = None,
                   nested: str | None = None,
                   draft_head_rows: np.ndarray | None = None,
-                  kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None) -> ModelEntry:
+                  kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
+                  importance: dict[str, np.ndarray] | None = None,
+                  stats: bool = False) -> ModelEntry:
+    """One model's graph and weights at `out/role.onnx`. `quant`: "k" (the GGUF recipe
+    where it applies, its error weighted by `importance`, see calibrate), "sym" or
+    "asym"; `stats` adds calibrate's statistics outputs (for the float graph)."""
     task = progress.add_task(f"{role}: loading {source.label}", total=None)
     ckpt = source.load()
     adapter = adapter_for(ckpt)
@@ -89,15 +103,24 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
         precision = "int4" if nested == "draft" else "int8"
     progress.update(task, total=spec.num_layers + 1, completed=0,
                     description=f"{role}: building {precision} graph")
-    head = adapter.lm_head()
+    recipe = uses_recipe(quant, precision, ep_profile, bool(nested))
+    if recipe:
+        requant = Requantizer(adapter, precision, importance)
+        progress.update(task, description=f"{role}: quantizing {precision} (GGUF recipe)")
+        embeddings, head = requant.embeddings_and_head()
+        layers = requant.layers()
+    else:
+        embeddings, head, layers = adapter.embeddings(), adapter.lm_head(), adapter.layers()
     if head_rows is not None:
         head = head.rows(head_rows) if isinstance(head, QuantizedWeight) else head[head_rows]
-    model = build_decoder(spec, adapter.embeddings(), adapter.layers(), adapter.final_norm(),
+    model = build_decoder(spec, embeddings, layers, adapter.final_norm(),
                           head, precision, block_size, accuracy_level,
                           dtype=PROFILE_DTYPE[ep_profile], attention=attention,
-                          symmetric=symmetric, nested=nested,
+                          symmetric=quant != "asym", nested=nested,
                           draft_head_rows=draft_head_rows, kv_scales=kv_scales,
                           on_layer=lambda i: progress.advance(task))
+    if stats:
+        add_stat_outputs(model)
     progress.update(task, description=f"{role}: writing {role}.onnx")
     # onnx appends external data to an existing file: a graph built again (calibrated KV,
     # a trimmed nested head) must not carry its first version's weights along
@@ -111,7 +134,7 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
     return ModelEntry(
         graph=f"{role}.onnx", data_files=[f"{role}.onnx.data"],
         architecture=spec.architecture, precision=precision,
-        block_size=None if precision in ("fp32", "fp16", "gguf") else block_size,
+        block_size=None if precision in ("fp32", "fp16", "gguf") or recipe else block_size,
         kv_dtype="int8" if kv_scales is not None else np.dtype(PROFILE_DTYPE[ep_profile]).name,
         compute_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
         vocab_size=rows_of(head), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
@@ -119,6 +142,26 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
         head_dim=kv_head_dim(spec, attention),
         max_positions=spec.max_positions, params=params, source=source.name,
         nested="target" if nested == "shared" else "")
+
+
+def _importance(source: Source, tmp: Path, ep_profile: str, calibration: str | Path,
+                progress: Progress) -> dict[str, np.ndarray]:
+    """The target's input importance per linear layer (calibrate), measured on its float
+    graph (cpu profile), which is removed again."""
+    entry = _export_model(source, "calibration", tmp, "fp32", 32, 0, "cpu", "sym", progress,
+                          stats=True)
+    prompts = default_prompts()
+    text = None if calibration == "self" else Path(calibration)
+    task = progress.add_task("calibrating: " + ("the model's own generations" if text is None
+                                                else text.name),
+                             total=None if text else len(prompts))
+    try:
+        return importance(tmp / entry.graph, entry, Tokenizer.from_dir(source.tokenizer_dir),
+                          text, prompts, advance=lambda: progress.advance(task))
+    finally:
+        for name in (entry.graph, *entry.data_files):
+            (tmp / name).unlink(missing_ok=True)
+        progress.update(task, visible=False)
 
 
 def vocab_counts(graph: Path, target: ModelEntry, tokenizer_dir: Path, source: str,
@@ -150,8 +193,9 @@ def _vocab_to_keep(tmp: Path, target_dir: Path, target: ModelEntry, eos_ids: lis
 
 def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
            precision: str = "int8", draft_precision: str | None = None, block_size: int = 32,
-           ep_profile: str = "cpu", accuracy_level: int = 4, symmetric: bool = True,
-           vocab_trim: int | None = None, trim_source: str = "target",
+           ep_profile: str = "cpu", accuracy_level: int = 4, quant: str = "k",
+           calibration: str | Path | None = "self", vocab_trim: int | None = None,
+           trim_source: str = "target",
            trim_prompts: list[str] | None = None, kv_cache: str = "float",
            overwrite: bool = False, requantize: bool = False,
            trust_remote_code: bool = False, console: Console | None = None,
@@ -162,8 +206,13 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     activations to int8 blockwise on the CPU: measured on the demo target, 1.3 ms per
     step against 25 ms with 0, which keeps activations in fp32 but has no fast 8-bit
     kernel. Losslessness is unaffected: speculation is exact w.r.t. the graph that runs.
-    `symmetric=False` gives int4/int2 blocks a zero point of their own (int8 stays
-    symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points).
+    `quant="k"` (default) quantizes int4/int8 weights with llama.cpp's Q4_K_M/Q8_0
+    recipe (quant.recipe: its types, bits per weight and error search; a tied embedding
+    stored once), its error weighted by input importance from `calibration`: "self" (the
+    target's own generations after built-in prompts), a text file, or None (unweighted).
+    "sym"/"asym" are the plain blockwise codes of `block_size` (asym: a zero point per
+    block; int8 stays symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points);
+    int2, BitNest and the dml profile always take those.
     `draft="nested"` makes the draft BitNest-style: the 4-bit base of the target's own
     nested 4+4 codes (the LM head read whole), the target computing with exactly base +
     residual (W8).
@@ -191,6 +240,11 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         raise EdgespecError("the dml profile supports fp32, fp16 and int4 weights (DirectML's "
                             "MatMulNBits needs zero points, which 8-bit codes cannot carry, "
                             "and has no 2-bit kernel).")
+    if quant not in ("k", "sym", "asym"):
+        raise EdgespecError(f"quantization '{quant}' is none of k, sym, asym.")
+    if calibration not in (None, "self") and not Path(calibration).is_file():
+        raise EdgespecError(f"the calibration text {calibration} is not a file; pass a text "
+                            "file, 'self' (the model's own generations) or 'none'.")
     if block_size not in (16, 32, 64, 128, 256):
         raise EdgespecError(f"block size {block_size} is not supported; use 32, 64 or 128.")
     start = time.time()
@@ -210,9 +264,9 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         if draft_src:
             check_same_vocab(target_src.tokenizer_dir, draft_src.tokenizer_dir)
         manifest, sizes = _write(target_src, draft_src, out, precision, draft_precision,
-                                 block_size, ep_profile, accuracy_level, symmetric, nested,
+                                 block_size, ep_profile, accuracy_level, quant, nested,
                                  vocab_trim, trim_source, trim_prompts, kv_cache, overwrite,
-                                 console)
+                                 console, calibration)
     if summary:  # the table of files; an export into the cache only shows its progress
         _summary(console, manifest, sizes, time.time() - start, Path(out))
     return manifest
@@ -220,9 +274,10 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
 
 def _write(target_src: Source, draft_src: Source | None, out: str | Path, precision: str,
            draft_precision: str, block_size: int, ep_profile: str, accuracy_level: int,
-           symmetric: bool, nested: bool, vocab_trim: int | None, trim_source: str,
+           quant: str, nested: bool, vocab_trim: int | None, trim_source: str,
            trim_prompts: list[str] | None, kv_cache: str, overwrite: bool,
-           console: Console) -> tuple[Manifest, dict[str, int]]:
+           console: Console, calibration: str | Path | None = None
+           ) -> tuple[Manifest, dict[str, int]]:
     """Build every graph and file of the bundle in a temporary directory, then move it
     into place (write_bundle)."""
     target_dir, eos_ids = target_src.tokenizer_dir, target_src.eos_ids
@@ -230,8 +285,12 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
     try:
         with write_bundle(out, overwrite) as (tmp, finish), Progress(
                 *columns, console=console, transient=True) as progress:
+            importance = None
+            if calibration and uses_recipe(quant, precision, ep_profile, nested):
+                importance = _importance(target_src, tmp, ep_profile, calibration, progress)
             target_entry = _export_model(target_src, "target", tmp, precision, block_size,
-                                         accuracy_level, ep_profile, symmetric, progress,
+                                         accuracy_level, ep_profile, quant, progress,
+                                         importance=importance,
                                          nested="shared" if nested else None)
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
@@ -247,19 +306,20 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                 progress.update(task, total=1, completed=1)
             if target_scales is not None or (kept is not None and nested):
                 target_entry = _export_model(target_src, "target", tmp, precision, block_size,
-                                             accuracy_level, ep_profile, symmetric, progress,
+                                             accuracy_level, ep_profile, quant, progress,
+                                             importance=importance,
                                              nested="shared" if nested else None,
                                              draft_head_rows=kept if nested else None,
                                              kv_scales=target_scales)
             draft_entry = None
             if draft_src:
                 draft_entry = _export_model(draft_src, "draft", tmp, draft_precision,
-                                            block_size, accuracy_level, ep_profile, symmetric,
+                                            block_size, accuracy_level, ep_profile, quant,
                                             progress, head_rows=kept)
             if draft_entry and sequences is not None:  # the draft meets the target's text
                 draft_entry = _export_model(
                     draft_src, "draft", tmp, draft_precision, block_size, accuracy_level,
-                    ep_profile, symmetric, progress, head_rows=kept,
+                    ep_profile, quant, progress, head_rows=kept,
                     kv_scales=kv_scales(tmp / draft_entry.graph, draft_entry, sequences))
             if nested:  # the same graph and weights, read without the residual
                 draft_entry = dataclasses.replace(
@@ -282,7 +342,9 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                                                                        else None),
                             "source_format": target_src.kind,
                             "nested": "4+4" if nested else None,
-                            "accuracy_level": accuracy_level, "symmetric": symmetric,
+                            "accuracy_level": accuracy_level, "quant": quant,
+                            "calibration": calibration and (
+                                "self" if calibration == "self" else Path(calibration).name),
                             "kv_cache": kv_cache,
                             "vocab_trim": vocab_trim and {"k": vocab_trim,
                                                           "source": trim_source}}))
