@@ -150,12 +150,15 @@ def test_export_k_recipe_then_quality(tmp_path, demo_target):
     assert manifest["target"]["block_size"] is None
     assert manifest["provenance"]["quant"] == "k"
     assert manifest["provenance"]["calibration"] == "calib.txt"
-    q = run("quality", str(tmp_path / "b"), "--reference", str(demo_target), "--json",
-            "--chunks", "2")
+    assert "target vs the float model (fractions.py, 1024 tokens scored): KL" in out.stderr
+    q = run("quality", str(tmp_path / "b"), "--reference", str(demo_target), "--json")
     assert q.returncode == 0, q.stderr
     figures = json.loads(q.stdout)
-    assert 0 < figures["kl"] < 0.05 and figures["top1"] > 0.85 and figures["tokens"] == 256
+    assert 0 < figures["kl"] < 0.05 and figures["top1"] > 0.85 and figures["tokens"] == 1024
     assert figures["ppl"] > figures["reference_ppl"] * 0.95
+    # export measured the same thing against the float graph it had built
+    for key, value in manifest["provenance"]["quality"].items():
+        assert figures[key] == pytest.approx(value, rel=1e-3, abs=1e-6), key
     same = json.loads(run("quality", str(tmp_path / "b"), "--reference", str(tmp_path / "b"),
                           "--json", "--chunks", "2").stdout)
     assert same["kl"] == 0 and same["top1"] == 1 and same["ppl"] == same["reference_ppl"]

@@ -28,6 +28,7 @@ from edgespec.export.kv_quant import calibrate_target, kv_scales
 from edgespec.export.requant import Requantizer
 from edgespec.export.source import Source, open_source
 from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
+from edgespec.quality import DEFAULT_TEXT, chunks_of, compare
 from edgespec.quant.blockwise import QuantizedWeight
 from edgespec.quant.vocab_trim import kept_tokens
 from edgespec.tokenizer import Tokenizer
@@ -144,22 +145,37 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
         nested="target" if nested == "shared" else "")
 
 
-def _importance(source: Source, tmp: Path, ep_profile: str, calibration: str | Path,
+def _importance(tmp: Path, reference: ModelEntry, source: Source, calibration: str | Path,
                 progress: Progress) -> dict[str, np.ndarray]:
     """The target's input importance per linear layer (calibrate), measured on its float
-    graph (cpu profile), which is removed again."""
-    entry = _export_model(source, "calibration", tmp, "fp32", 32, 0, "cpu", "sym", progress,
-                          stats=True)
+    graph `reference` (built with statistics outputs)."""
     prompts = default_prompts()
     text = None if calibration == "self" else Path(calibration)
     task = progress.add_task("calibrating: " + ("the model's own generations" if text is None
                                                 else text.name),
                              total=None if text else len(prompts))
     try:
-        return importance(tmp / entry.graph, entry, Tokenizer.from_dir(source.tokenizer_dir),
-                          text, prompts, advance=lambda: progress.advance(task))
+        return importance(tmp / reference.graph, reference,
+                          Tokenizer.from_dir(source.tokenizer_dir), text, prompts,
+                          advance=lambda: progress.advance(task))
     finally:
-        for name in (entry.graph, *entry.data_files):
+        progress.update(task, visible=False)
+
+
+def _quality(tmp: Path, target: ModelEntry, reference: ModelEntry, ep_profile: str,
+             tokenizer_dir: Path, progress: Progress) -> dict | None:
+    """The quantized target against its float graph on edgespec quality's default text
+    (cpu profile only: other profiles' graphs are not for this machine); the float graph
+    is removed either way."""
+    task = progress.add_task("quality: KL against the float model", total=None)
+    try:
+        if ep_profile != "cpu":
+            return None
+        ids = Tokenizer.from_dir(tokenizer_dir).encode(DEFAULT_TEXT.read_text())
+        return compare((tmp / target.graph, target), (tmp / reference.graph, reference),
+                       chunks_of(ids, 256, 8)).as_dict()
+    finally:
+        for name in (reference.graph, *reference.data_files):
             (tmp / name).unlink(missing_ok=True)
         progress.update(task, visible=False)
 
@@ -285,9 +301,12 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
     try:
         with write_bundle(out, overwrite) as (tmp, finish), Progress(
                 *columns, console=console, transient=True) as progress:
-            importance = None
-            if calibration and uses_recipe(quant, precision, ep_profile, nested):
-                importance = _importance(target_src, tmp, ep_profile, calibration, progress)
+            importance = reference = None
+            if uses_recipe(quant, precision, ep_profile, nested):  # the float model, at hand
+                reference = _export_model(target_src, "reference", tmp, "fp32", 32, 0, "cpu",
+                                          "sym", progress, stats=True)
+            if reference and calibration and precision == "int4":  # Q8_0 weighs nothing
+                importance = _importance(tmp, reference, target_src, calibration, progress)
             target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, quant, progress,
                                          importance=importance,
@@ -311,6 +330,10 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                                              nested="shared" if nested else None,
                                              draft_head_rows=kept if nested else None,
                                              kv_scales=target_scales)
+            quality = None
+            if reference:
+                quality = _quality(tmp, target_entry, reference, ep_profile, target_dir,
+                                   progress)
             draft_entry = None
             if draft_src:
                 draft_entry = _export_model(draft_src, "draft", tmp, draft_precision,
@@ -345,7 +368,7 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                             "accuracy_level": accuracy_level, "quant": quant,
                             "calibration": calibration and (
                                 "self" if calibration == "self" else Path(calibration).name),
-                            "kv_cache": kv_cache,
+                            "kv_cache": kv_cache, "quality": quality,
                             "vocab_trim": vocab_trim and {"k": vocab_trim,
                                                           "source": trim_source}}))
             sizes = {name: (tmp / name).stat().st_size for name in manifest.files}
@@ -368,3 +391,8 @@ def _summary(console: Console, manifest: Manifest, sizes: dict[str, int], second
                       entry.precision if entry else "", f"{entry.params / 1e6:.2f} M" if entry
                       else "")
     console.print(table)
+    q = (manifest.provenance or {}).get("quality")
+    if q:  # what `edgespec quality BUNDLE --reference SOURCE` reports on its default text
+        console.print(f"target vs the float model ({DEFAULT_TEXT.name}, {q['tokens']} tokens "
+                      f"scored): KL {q['kl']:.4f}, top-1 {q['top1']:.1%}, perplexity "
+                      f"{q['ppl']:.2f} (float {q['reference_ppl']:.2f})", highlight=False)
