@@ -51,6 +51,25 @@ def quantized_reference(path, bits=8, block=32):
     return model
 
 
+def q8_0_reference(path):
+    """The PyTorch model computing with the default int8's weights: every linear layer
+    and the (tied) head as gguf-py's own Q8_0 quantize + dequantize (an independent
+    implementation of llama.cpp's reference), the embedding tied to the head's values."""
+    import gguf
+
+    def q8_0(w):
+        t = gguf.GGMLQuantizationType.Q8_0
+        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, t), t))
+
+    model = torch_model(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the demo pair is tied
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(q8_0(module.weight.numpy()))
+    return model
+
+
 def test_demo_checkpoints_load_in_transformers(demo_target, demo_draft):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -100,7 +119,7 @@ def test_int8_graph_computes_with_exactly_the_dequantized_weights(w8_bundle, dem
                                                                   demo_draft):
     ids = np.random.default_rng(2).integers(0, 4096, 48)
     for role, path in (("target", demo_target), ("draft", demo_draft)):
-        ref = torch_logits(quantized_reference(path), ids)
+        ref = torch_logits(q8_0_reference(path), ids)
         got = incremental_logits(session(w8_bundle, role), ids)
         assert np.abs(got - ref).max() < W8_TOL, role
 
