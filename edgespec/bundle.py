@@ -56,6 +56,7 @@ class ModelEntry:
     compute_dtype: str = ""  # activations; "" for bundles from before int8 KV: = kv_dtype
     data_files: list[str] = field(default_factory=list)
     source: str = ""
+    kind: str = ""  # "" a decoder; "eagle" a draft head reading the target's states
 
     @property
     def activation_dtype(self) -> str:
@@ -106,7 +107,7 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
     raw = {k: v for k, v in raw.items() if k in fields}  # newer optional fields: ignored
     kinds = {"graph": str, "architecture": str, "precision": str, "kv_layout": str,
              "kv_dtype": str, "nested": str, "compute_dtype": str,
-             "source": str, "data_files": list, "block_size": (int, type(None))}
+             "source": str, "kind": str, "data_files": list, "block_size": (int, type(None))}
     for name, f in fields.items():
         if name not in raw:
             if f.default is not MISSING or f.default_factory is not MISSING:
@@ -130,6 +131,9 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
     if entry.compute_dtype not in ("", "float32", "float16"):
         raise _fail(mpath, f"'{where}.compute_dtype' is '{entry.compute_dtype}', not float32 "
                            "or float16; re-export the bundle.")
+    if entry.kind not in ("", "eagle"):
+        raise _fail(mpath, f"'{where}.kind' is '{entry.kind}', which this edgespec cannot "
+                           "run; upgrade edgespec or re-export the bundle.")
     if entry.kv_layout not in KV_LAYOUTS:
         raise _fail(mpath, f"'{where}.kv_layout' is '{entry.kv_layout}', which this edgespec "
                            "cannot run; upgrade edgespec or re-export the bundle.")

@@ -96,8 +96,9 @@ def cli() -> None:
 @cli.command()
 @click.argument("target")
 @click.option("--draft", help="Draft .gguf file, checkpoint directory or Hub id (same "
-                             "tokenizer), or 'nested': BitNest, the 4-bit base of the "
-                             "target's own codes.")
+                             "tokenizer); a draft head (.npz, from train-draft); 'nested': "
+                             "BitNest, the 4-bit base of the target's own codes; 'none'. "
+                             "Default: the shipped head trained on this target, if any.")
 @click.option("--nest", type=click.Choice(["4+4"]), default="4+4", show_default=True,
               help="With --draft nested: base bits + residual bits.")
 @click.option("--out", required=True, type=click.Path(path_type=Path),
@@ -192,6 +193,56 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
         click.echo(json.dumps(q.as_dict()))
     else:
         Console().print(table(q, f"{bundle} vs {reference}"))
+
+
+@cli.command("train-draft")
+@click.argument("target")
+@click.option("--out", required=True, type=click.Path(path_type=Path),
+              help="The draft head file to write (.npz).")
+@click.option("--work", type=click.Path(path_type=Path),
+              help="Where answers and checkpoints are kept (default: OUT's name + .work); "
+                   "an interrupted run resumes from it.")
+@click.option("--prompts", type=click.Path(path_type=Path, dir_okay=False),
+              help="Prompts the target answers, one per line (default: built-in ones).")
+@click.option("--steps", default=600, show_default=True, type=click.IntRange(1))
+@click.option("--unroll", default=3, show_default=True, type=click.IntRange(1, 8),
+              help="Draft positions trained per chain.")
+@click.option("--kept", default=8192, show_default=True, type=click.IntRange(16),
+              help="Tokens the head can propose (VocabTrim).")
+@click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(8))
+@click.option("--greedy-only", is_flag=True, help="Learn from greedy answers only.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--threads", default=0, type=click.IntRange(0), help="PyTorch threads.")
+def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None, steps: int,
+                unroll: int, kept: int, max_new_tokens: int, greedy_only: bool, seed: int,
+                threads: int) -> None:
+    """Train an EAGLE draft head for TARGET (a .gguf file or checkpoint directory) from
+    the target alone; `edgespec export TARGET --draft OUT` then speculates with it."""
+    import tempfile
+
+    try:
+        import torch
+
+        from edgespec.train.data import read_prompts
+        from edgespec.train.trainer import TrainOptions
+        from edgespec.train.trainer import train_draft as run
+    except ImportError as e:
+        raise EdgespecError(f"train-draft needs PyTorch and transformers ({e.name} is "
+                            "missing); pip install 'edgespec[export]'.") from None
+    from edgespec.export.source import open_source
+
+    if out.suffix != ".npz":
+        raise EdgespecError(f"{out}: a draft head is written as .npz; name it so.")
+    if threads:
+        torch.set_num_threads(threads)
+    opts = TrainOptions(steps=steps, unroll=unroll, kept=kept, max_new_tokens=max_new_tokens,
+                        sampled=not greedy_only, seed=seed)
+    with tempfile.TemporaryDirectory(prefix="edgespec-source-") as scratch:
+        source = open_source(target, Path(scratch))
+        head = run(source, out, work or out.with_name(out.stem + ".work"),
+                   read_prompts(prompts) if prompts else None, opts, console=err)
+    err.print(f"wrote {out}: {head.params / 1e6:.2f} M parameters, {len(head.kept)} tokens; "
+              f"card in {out.with_suffix('.json')}.")
 
 
 @cli.command("vocab-trim")

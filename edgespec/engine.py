@@ -25,6 +25,7 @@ from edgespec.runtimes.decoder import SharedKVCache
 from edgespec.runtimes.providers import PROVIDER
 from edgespec.spec import (
     GenerationStats,
+    HeadDrafter,
     LookupDrafter,
     ModelDrafter,
     SamplingParams,
@@ -178,10 +179,15 @@ class Engine:
         draft_providers = resolve_providers(draft_device) if draft_device else providers
         # BitNest: one graph, and one KV store too (the draft reads the target's entries)
         kv = SharedKVCache(self.target.cache) if shared else None
+        self.head = m.draft is not None and m.draft.kind == "eagle"
+        if self.head and not hasattr(self.target, "features"):
+            raise EdgespecError("this bundle's draft head reads the target's final states, "
+                                "which an offloaded target does not hand over; run it "
+                                "without --gpu-memory limits, or with --mode ar.")
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, draft_providers,
                                      draft_device or device, max_len=self.target.max_len,
                                      threads=1 if m.draft.params < SMALL_DRAFT else threads,
-                                     shared=shared, cache=kv, ranked=True)
+                                     shared=shared, cache=kv, ranked=not self.head)
                       if m.draft else None)
         self._sessions = [s for s in (self.target, self.draft) if s is not None]
         # what actually runs, as the sessions report it: "cpu", "cuda", "cuda+cpu, draft cpu"
@@ -193,7 +199,9 @@ class Engine:
             if kept.shape != (m.draft.vocab_size,) or kept.max() >= m.target.vocab_size:
                 raise EdgespecError(f"{self.path / m.vocab_map} does not match the draft's "
                                     "head; re-export the bundle.")
-            self.draft = TrimmedModel(self.draft, kept, m.target.vocab_size)
+            self.kept = kept
+            if not self.head:  # a head maps its rows itself (spec.drafters.HeadDrafter)
+                self.draft = TrimmedModel(self.draft, kept, m.target.vocab_size)
         self.eos_ids = set(m.eos_token_ids)
         self._active = threading.Event()  # the running generation's cancel flag
         self._busy = threading.Lock()  # one generation at a time: they share the KV cache
@@ -345,15 +353,22 @@ class Engine:
                      if config.logprobs is not None else None)
         if config.mode == "ar":
             steps = ar_decode(self.target, ids, config.sampling, rng, stats, on_logits)
+        elif config.mode == "spec" and config.tree_budget and self.head:
+            raise EdgespecError("this bundle's draft is an EAGLE head, which drafts chains "
+                                "for now; leave out --tree-budget.")
         elif config.mode == "spec" and config.tree_budget:
             drafter = TreeDrafter(self.draft, config.tree_top_k, config.tree_depth,
                                   config.tree_best_first, config.tree_lookup)
             steps = tree_decode(self.target, drafter, ids, config.sampling, config.tree_budget,
                                 rng, stats, on_logits)
         else:
-            drafter = (ModelDrafter(self.draft, config.stop_rule, config.stop_threshold)
-                       if config.mode == "spec"
-                       else LookupDrafter(self.manifest.target.vocab_size))
+            vocab = self.manifest.target.vocab_size
+            if config.mode == "lookup":
+                drafter = LookupDrafter(vocab)
+            elif self.head:
+                drafter = HeadDrafter(self.draft, self.target, self.kept, vocab)
+            else:
+                drafter = ModelDrafter(self.draft, config.stop_rule, config.stop_threshold)
             controller = GammaController(config.draft_tokens) if config.adaptive else None
             steps = chain_decode(self.target, drafter, ids, config.sampling,
                                  config.draft_tokens, rng, stats, controller, on_logits)

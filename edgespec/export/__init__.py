@@ -23,6 +23,13 @@ from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
 from edgespec.export.calibrate import add_stat_outputs, importance
+from edgespec.export.draft_head import (
+    build_head_graph,
+    check_fits,
+    is_head_file,
+    load_head,
+    shipped_head,
+)
 from edgespec.export.graph import build_decoder, kv_head_dim, rows_of
 from edgespec.export.kv_quant import calibrate_target, kv_scales
 from edgespec.export.requant import Requantizer
@@ -84,6 +91,7 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                   nested: str | None = None,
                   draft_head_rows: np.ndarray | None = None,
                   kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
+                  hidden_output: bool = False,
                   importance: dict[str, np.ndarray] | None = None,
                   stats: bool = False) -> ModelEntry:
     """One model's graph and weights at `out/role.onnx`. `quant`: "k" (the GGUF recipe
@@ -119,16 +127,12 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                           dtype=PROFILE_DTYPE[ep_profile], attention=attention,
                           symmetric=quant != "asym", nested=nested,
                           draft_head_rows=draft_head_rows, kv_scales=kv_scales,
-                          on_layer=lambda i: progress.advance(task))
+                          on_layer=lambda i: progress.advance(task),
+                          hidden_output=hidden_output)
     if stats:
         add_stat_outputs(model)
     progress.update(task, description=f"{role}: writing {role}.onnx")
-    # onnx appends external data to an existing file: a graph built again (calibrated KV,
-    # a trimmed nested head) must not carry its first version's weights along
-    (out / f"{role}.onnx.data").unlink(missing_ok=True)
-    onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
-                    all_tensors_to_one_file=True, location=f"{role}.onnx.data",
-                    size_threshold=1024)
+    _save(model, out, role)
     progress.update(task, completed=spec.num_layers + 1, description=f"{role}: done")
     if getattr(ckpt, "keep_codes", False) and ckpt.quantized and not nested:
         precision = "gguf"  # every quantized tensor kept its own GGUF type
@@ -143,6 +147,50 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
         head_dim=kv_head_dim(spec, attention),
         max_positions=spec.max_positions, params=params, source=source.name,
         nested="target" if nested == "shared" else "")
+
+
+def _save(model: onnx.ModelProto, out: Path, role: str) -> None:
+    # onnx appends external data to an existing file: a graph built again (calibrated KV,
+    # a trimmed nested head) must not carry its first version's weights along
+    (out / f"{role}.onnx.data").unlink(missing_ok=True)
+    onnx.save_model(model, out / f"{role}.onnx", save_as_external_data=True,
+                    all_tensors_to_one_file=True, location=f"{role}.onnx.data",
+                    size_threshold=1024)
+
+
+def _export_head(head_path: Path, source: Source, out: Path, precision: str, block_size: int,
+                 accuracy_level: int, ep_profile: str, progress: Progress) -> ModelEntry:
+    """An EAGLE draft head (export.draft_head) around the target's embedding and head."""
+    task = progress.add_task(f"draft head: {head_path.name}", total=None)
+    head = load_head(head_path)
+    adapter = adapter_for(source.load())
+    embeddings = adapter.embeddings()
+    check_fits(head, adapter.spec, embeddings, head_path)
+    if precision == "gguf" or precision not in EXPORTED_PRECISIONS:
+        precision = "int8"  # the head's own float weights; the target's codes stay theirs
+    model = build_head_graph(head, adapter.spec, embeddings, adapter.lm_head(), precision,
+                             block_size=block_size, accuracy_level=accuracy_level,
+                             dtype=PROFILE_DTYPE[ep_profile],
+                             attention=PROFILE_ATTENTION[ep_profile])
+    _save(model, out, "draft")
+    np.save(out / "draft_vocab.npy", head.kept)
+    progress.update(task, total=1, completed=1, description="draft head: done")
+    c = head.config
+    return ModelEntry(
+        graph="draft.onnx", data_files=["draft.onnx.data"], architecture="eagle-head",
+        precision=precision, block_size=None if precision in ("fp32", "fp16") else block_size,
+        kv_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name,
+        compute_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name,
+        kv_layout=KV_LAYOUT[PROFILE_ATTENTION[ep_profile]], vocab_size=len(head.kept),
+        hidden_size=c.hidden_size, num_layers=1, num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+        max_positions=adapter.spec.max_positions, params=head.params, source=str(head_path),
+        kind="eagle")
+
+
+def default_head(source: Source) -> Path | None:
+    """The shipped head trained on this very target, recognised by its weights."""
+    return shipped_head(adapter_for(source.load()).embeddings())
 
 
 def _importance(tmp: Path, reference: ModelEntry, source: Source, calibration: str | Path,
@@ -265,6 +313,13 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         raise EdgespecError(f"block size {block_size} is not supported; use 32, 64 or 128.")
     start = time.time()
     nested = draft == "nested"
+    head = Path(draft) if draft is not None and is_head_file(draft) else None
+    if head is not None and vocab_trim:
+        raise EdgespecError("a draft head keeps the tokens it was trained on; leave out "
+                            "--vocab-trim.")
+    shipped = draft is None  # the shipped head for this target, if one was trained on it
+    if draft == "none" or head is not None:
+        draft = None
     if nested and ep_profile == "dml":
         raise EdgespecError("--draft nested works with the cpu and cuda profiles.")
     if kv_cache not in ("float", "int8"):
@@ -279,10 +334,12 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                                  keep_codes=not requantize) if draft and not nested else None)
         if draft_src:
             check_same_vocab(target_src.tokenizer_dir, draft_src.tokenizer_dir)
+        if shipped and not nested:
+            head = default_head(target_src)
         manifest, sizes = _write(target_src, draft_src, out, precision, draft_precision,
                                  block_size, ep_profile, accuracy_level, quant, nested,
                                  vocab_trim, trim_source, trim_prompts, kv_cache, overwrite,
-                                 console, calibration)
+                                 console, head, calibration)
     if summary:  # the table of files; an export into the cache only shows its progress
         _summary(console, manifest, sizes, time.time() - start, Path(out))
     return manifest
@@ -292,8 +349,8 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
            draft_precision: str, block_size: int, ep_profile: str, accuracy_level: int,
            quant: str, nested: bool, vocab_trim: int | None, trim_source: str,
            trim_prompts: list[str] | None, kv_cache: str, overwrite: bool,
-           console: Console, calibration: str | Path | None = None
-           ) -> tuple[Manifest, dict[str, int]]:
+           console: Console, head: Path | None = None,
+           calibration: str | Path | None = None) -> tuple[Manifest, dict[str, int]]:
     """Build every graph and file of the bundle in a temporary directory, then move it
     into place (write_bundle)."""
     target_dir, eos_ids = target_src.tokenizer_dir, target_src.eos_ids
@@ -310,7 +367,8 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, quant, progress,
                                          importance=importance,
-                                         nested="shared" if nested else None)
+                                         nested="shared" if nested else None,
+                                         hidden_output=head is not None)
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
                     if (draft_src or nested) and vocab_trim else None)
@@ -329,12 +387,16 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                                              importance=importance,
                                              nested="shared" if nested else None,
                                              draft_head_rows=kept if nested else None,
-                                             kv_scales=target_scales)
+                                             kv_scales=target_scales,
+                                             hidden_output=head is not None)
             quality = None
             if reference:
                 quality = _quality(tmp, target_entry, reference, ep_profile, target_dir,
                                    progress)
             draft_entry = None
+            if head is not None:
+                draft_entry = _export_head(head, target_src, tmp, target_entry.precision,
+                                           block_size, accuracy_level, ep_profile, progress)
             if draft_src:
                 draft_entry = _export_model(draft_src, "draft", tmp, draft_precision,
                                             block_size, accuracy_level, ep_profile, quant,
@@ -354,15 +416,15 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             manifest = finish(Manifest(
                 target=target_entry, draft=draft_entry, ep_profile=ep_profile,
                 tokenizer_files=tok_files, eos_token_ids=eos_ids,
-                vocab_map="draft_vocab.npy" if kept is not None else None,
+                vocab_map="draft_vocab.npy" if kept is not None or head else None,
                 bos_token_id=target_src.bos_id,
                 provenance={"edgespec": __version__, "onnx": onnx.__version__,
                             "onnxruntime": onnxruntime.__version__,
                             "python": platform.python_version(),
                             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                             "target": target_src.name,
-                            "draft": draft_src.name if draft_src else ("nested" if nested
-                                                                       else None),
+                            "draft": draft_src.name if draft_src else (
+                                "nested" if nested else head.name if head else None),
                             "source_format": target_src.kind,
                             "nested": "4+4" if nested else None,
                             "accuracy_level": accuracy_level, "quant": quant,

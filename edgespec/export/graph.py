@@ -538,7 +538,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                   attention: str = "gqa", symmetric: bool = True, nested: str | None = None,
                   draft_head_rows: np.ndarray | None = None,
                   kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
-                  on_layer: Callable[[int], None] | None = None) -> onnx.ModelProto:
+                  on_layer: Callable[[int], None] | None = None, hidden_output: bool = False,
+                  fusion: Weight | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
     Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
@@ -550,6 +551,10 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     runtime's contract does not change.
     `draft_head_rows` (BitNest with VocabTrim) gives the nested draft a head of those
     rows only. `kv_scales` (one (K, V) pair per layer) store the KV cache as int8 codes.
+    `hidden_output` adds the final-norm states as output `hidden` [1,S,d] (what an EAGLE
+    draft head reads); `fusion` ([d, 2d]) makes the graph such a head: input `hidden_in`
+    [1,S,d] is joined to the token embeddings and projected back to d before the layers
+    (edgespec.export.draft_head).
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
@@ -573,6 +578,12 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
     vocab = "vocab" if draft_head_rows is not None else rows_of(lm_head)
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, s_dim, vocab])]
+    if hidden_output:
+        outputs.append(helper.make_tensor_value_info("hidden", TensorProto.FLOAT,
+                                                     [1, s_dim, spec.hidden_size]))
+    if fusion is not None:
+        inputs.append(helper.make_tensor_value_info("hidden_in", TensorProto.FLOAT,
+                                                    [1, s_dim, spec.hidden_size]))
     kv_type = TensorProto.INT8 if kv_scales is not None else g.onnx_dtype
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
@@ -594,6 +605,11 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     if spec.embed_scale:
         x = g.node("Mul", [x, g.fconst("embed.scale", spec.embed_scale)], ["embed.scaled"],
                    "embed.scale")[0]
+    if fusion is not None:
+        features = "hidden_in" if g.dtype == np.float32 else g.node(
+            "Cast", ["hidden_in"], ["hidden_in.c"], "hidden_in.cast", to=g.onnx_dtype)[0]
+        x = g.node("Concat", [x, features], ["fusion.in"], "fusion.concat", axis=-1)[0]
+        x = g.linear(x, fusion, "fusion")
     bias = "attention_bias"
     if g.dtype != np.float32:
         bias = g.node("Cast", [bias], ["attention_bias.c"], "bias.cast", to=g.onnx_dtype)[0]
@@ -712,6 +728,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     h, _, _, _ = g.node("SkipSimplifiedLayerNormalization",
                         [resid, delta, g.fconst("final_norm", final_norm)],
                         ["final.norm", "", "", ""], "final.norm", domain=MS, epsilon=eps)
+    if hidden_output:
+        g.node("Cast", [h], ["hidden"], "hidden", to=TensorProto.FLOAT)
     head_bits = 8 if precision in BITS else None
     if draft_head_rows is not None:
         logits = g.trimmed_nested_head(h, lm_head, draft_head_rows, "lm_head")

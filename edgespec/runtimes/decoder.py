@@ -319,6 +319,14 @@ class DecoderSession:
         self.binding = self.session.io_binding()
         self.vocab = entry.vocab_size  # a nested draft's trimmed head is narrower
         self.logits = HostOutput(self.session, self.binding, "logits")
+        # a target read by an EAGLE head keeps its final states by cache slot, the head
+        # reads the target's (`hidden_in`) and returns its own (edgespec.export.draft_head)
+        outputs = {o.name for o in self.session.get_outputs()}
+        self.hidden = (HostOutput(self.session, self.binding, "hidden")
+                       if "hidden" in outputs else None)
+        self.is_head = "hidden_in" in {i.name for i in self.session.get_inputs()}
+        if self.hidden is not None and not self.is_head:
+            self.features = np.zeros((self.max_len + 1, entry.hidden_size), np.float32)
         self.cache.bind(self.binding)  # the presents are bound last, in every binding
         if entry.nested:  # BitNest: this view computes with the base, or base + residual
             self.binding.bind_cpu_input("use_residual", np.array(entry.nested == "target"))
@@ -346,9 +354,26 @@ class DecoderSession:
         depths and a [1,1,S,past+S] bias with -inf for non-ancestors.
         """
         past, s = self._feed(self.binding, ids, positions, bias)
-        self.logits.bind((1, s, self.vocab), reuse=not isinstance(self.cache, ConcatKVCache))
+        reuse = not isinstance(self.cache, ConcatKVCache)
+        self.logits.bind((1, s, self.vocab), reuse=reuse)
+        if self.hidden is not None:
+            self.hidden.bind((1, s, self.entry.hidden_size), reuse=reuse)
         self._run(self.binding, past + s)
+        if self.hidden is not None:
+            self.features[past:past + s] = self.hidden.read()
         return self.logits.read()
+
+    def forward_head(self, ids: list[int] | np.ndarray, hidden: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """An EAGLE head's pass: tokens and the states that precede them ([S, d]) in,
+        logits over the kept tokens and the head's own next states out."""
+        past, s = self._feed(self.binding, ids, None, None)
+        self.binding.bind_cpu_input("hidden_in", np.ascontiguousarray(
+            hidden, np.float32).reshape(1, s, -1))
+        self.logits.bind((1, s, self.vocab))
+        self.hidden.bind((1, s, self.entry.hidden_size))
+        self._run(self.binding, past + s)
+        return self.logits.read(), self.hidden.read()
 
     def forward_ranked(self, ids: list[int] | np.ndarray, k: int, temperature: float,
                        positions: np.ndarray | None = None, bias: np.ndarray | None = None

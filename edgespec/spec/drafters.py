@@ -101,6 +101,57 @@ class ModelDrafter:
         cache.trim(max(0, cache.length - (committed - 1)))
 
 
+class HeadDrafter:
+    """An EAGLE head drafting from the target's own final states (export.draft_head).
+
+    Head position j reads the pair (h_j, t_{j+1}): the target's state after token j and
+    the token that followed it, and predicts the state after t_{j+1}, whose scores over
+    the kept tokens pick t_{j+2}. Each round first feeds the pairs the last verify pass
+    made known (the target has fed every committed token but the last), then drafts by
+    feeding its own predicted state back with the token it drafted. The drafted pairs
+    are forgotten after verification, accepted or not: the target's true states replace
+    them in the next round. `kept` maps the head's rows to token ids; other tokens have
+    q = 0, so verification over the full vocabulary stays exact.
+    """
+
+    def __init__(self, head, target, kept: np.ndarray, vocab_size: int):
+        """`head` has `forward_head(ids, hidden) -> (logits [S, K], states [S, d])` and a
+        cache; `target.features[j]` is the target's state after token j."""
+        self.head, self.target = head, target
+        self.kept = np.asarray(kept, dtype=np.int64)
+        self.vocab_size = vocab_size
+        self.known = 0  # head positions fed with the target's own states
+
+    def reset(self) -> None:
+        self.head.cache.reset()
+        self.known = 0
+
+    def propose(self, tokens, n, params, rng, stats):
+        start = self.head.cache.length
+        ids = tokens[start + 1:]
+        states = self.target.features[start:len(tokens) - 1]
+        proposals: list[int] = []
+        q_rows: list[np.ndarray] = []
+        for _ in range(n):
+            stats.draft_passes += 1
+            logits, predicted = self.head.forward_head(ids, states)
+            if not proposals:
+                self.known = self.head.cache.length
+            row = logits[-1]
+            if params.greedy:
+                proposals.append(int(self.kept[np.argmax(row)]))
+            else:
+                q = np.zeros(self.vocab_size)
+                q[self.kept] = warp(row, params)
+                q_rows.append(q)
+                proposals.append(sample_probs(q, rng))
+            ids, states = proposals[-1:], predicted[-1:]
+        return proposals, (np.stack(q_rows) if q_rows else None)
+
+    def rollback(self, committed: int) -> None:
+        self.head.cache.trim(self.head.cache.length - self.known)
+
+
 class LookupDrafter:
     """Prompt lookup (PLD): copy what followed the latest earlier occurrence of the
     sequence's last n-gram (n from `max_ngram` down to 1). Free drafts for code edits,

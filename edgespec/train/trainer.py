@@ -1,0 +1,213 @@
+"""`edgespec train-draft`: an EAGLE head for a target, from the target alone.
+
+1. The target answers the prompts (greedy and T=0.7); 2. its states are read along each
+conversation; 3. the kept vocabulary is the K tokens most frequent in those answers
+(VocabTrim); 4. the head learns, unrolled over `steps` draft positions, to predict the
+target's next state (smooth L1) and its next-token distribution over the kept tokens
+(cross-entropy against the target's own, soft); 5. the head is written with a model card.
+
+Steps 1-2 are cached in the work directory and training checkpoints itself there, so an
+interrupted run resumes where it stopped (`resume=True`). Everything is seeded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from edgespec.errors import EdgespecError
+from edgespec.export.architectures import adapter_for
+from edgespec.export.draft_head import DraftHead, HeadConfig, fingerprint
+from edgespec.export.source import Source
+from edgespec.quant.vocab_trim import kept_tokens
+from edgespec.tokenizer import Tokenizer
+from edgespec.train import data
+from edgespec.train.model import EagleHead
+
+
+@dataclass
+class TrainOptions:
+    steps: int = 600  # optimizer steps
+    unroll: int = 3  # draft positions trained per chain (training-time test)
+    batch_tokens: int = 512
+    seq_len: int = 256  # conversations are cut into windows of this many tokens
+    lr: float = 1e-3
+    kept: int = 8192  # VocabTrim: tokens the head can propose
+    intermediate_size: int | None = None  # default: twice the width
+    max_new_tokens: int = 128
+    sampled: bool = True  # also learn from T=0.7 answers (besides greedy ones)
+    ce_weight: float = 0.1  # EAGLE's: features carry the signal, the CE aligns the ranking
+    ce_rows: int = 128  # positions per step scored over the kept vocabulary (the costly part)
+    noise: float = 0.05  # relative uniform noise on the true input states (EAGLE)
+    seed: int = 0
+    gen_batch: int = 32
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn(
+        "{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
+        console=console)
+
+
+def conversations(source: Source, model, prompts: list[str], opts: TrainOptions, work: Path,
+                  console: Console) -> list[data.Conversation]:
+    """The target's answers and states, cached in `work` (conversations.npz)."""
+    cache = work / "conversations.npz"
+    if cache.is_file():
+        with np.load(cache) as z:
+            lengths = z["lengths"]
+            tokens = np.split(z["tokens"], np.cumsum(lengths)[:-1])
+            states = np.split(z["states"], np.cumsum(lengths)[:-1])
+        console.print(f"reusing {len(lengths)} conversations from {cache}")
+        return [data.Conversation(t, s) for t, s in zip(tokens, states, strict=True)]
+    tokenizer = Tokenizer.from_dir(source.tokenizer_dir)
+    temperatures = [0.0, 0.7] if opts.sampled else [0.0]
+    convs = []
+    with _progress(console) as progress:
+        for i, temperature in enumerate(temperatures):
+            task = progress.add_task(f"target answers (T={temperature})", total=len(prompts))
+            convs += data.generate(model, tokenizer, prompts, opts.max_new_tokens,
+                                   temperature, opts.seed + i, opts.gen_batch,
+                                   source.eos_ids, lambda n, t=task: progress.advance(t, n))
+    tmp = work / "conversations.part.npz"
+    np.savez(tmp, lengths=np.array([len(c.tokens) for c in convs]),
+             tokens=np.concatenate([c.tokens for c in convs]),
+             states=np.concatenate([c.states for c in convs]))
+    tmp.replace(cache)
+    return convs
+
+
+def windows(convs: list[data.Conversation], seq_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    out = []
+    for c in convs:
+        for start in range(0, max(1, len(c.tokens) - 1), seq_len):
+            t, s = c.tokens[start:start + seq_len + 1], c.states[start:start + seq_len + 1]
+            if len(t) > 2:
+                out.append((t, s))
+    return out
+
+
+def batch_of(items: list[tuple[np.ndarray, np.ndarray]], unroll: int):
+    """Pairs (state j, token j+1) with targets state j+1+s for each unroll step s."""
+    width = max(len(t) for t, _ in items) - 1
+    b, d = len(items), items[0][1].shape[1]
+    ids = torch.zeros(b, unroll, width, dtype=torch.long)
+    states = torch.zeros(b, width, d)
+    targets = torch.zeros(b, unroll, width, d)
+    valid = torch.zeros(b, unroll, width, dtype=torch.bool)
+    mask = torch.zeros(b, width, dtype=torch.bool)
+    for i, (t, s) in enumerate(items):
+        n = len(t) - 1
+        states[i, :n] = torch.from_numpy(s[:n].astype(np.float32))
+        mask[i, :n] = True
+        for k in range(unroll):
+            m = n - k  # chains whose step k still has a next token and a target state
+            if m <= 0:
+                break
+            ids[i, k, :m] = torch.from_numpy(t[1 + k:1 + k + m])
+            targets[i, k, :m] = torch.from_numpy(s[1 + k:1 + k + m].astype(np.float32))
+            valid[i, k, :m] = True
+    return ids, states, targets, valid, mask
+
+
+def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None = None,
+                opts: TrainOptions | None = None, resume: bool = True,
+                console: Console | None = None) -> DraftHead:
+    console = console or Console(stderr=True)
+    opts = opts or TrainOptions()
+    work.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(opts.seed)
+    rng = np.random.default_rng(opts.seed)
+    started = time.time()
+    spec = adapter_for(source.load()).spec
+    model = data.load_target(source)
+    prompts = prompts or data.builtin_prompts()
+    convs = conversations(source, model, prompts, opts, work, console)
+    answers = np.concatenate([c.tokens for c in convs])
+    counts = np.bincount(answers, minlength=spec.vocab_size)
+    kept = kept_tokens(counts, min(opts.kept, spec.vocab_size), source.eos_ids)
+    config = HeadConfig.for_target(spec, opts.intermediate_size or 2 * spec.hidden_size)
+    head = EagleHead(config, data.embedding_weight(model),
+                     data.lm_head_weight(model)[torch.from_numpy(kept)], data.embed_scale(model))
+    with torch.no_grad():  # start as the identity on the state half: h' ≈ h
+        head.fusion.weight.zero_()
+        head.fusion.weight[:, config.hidden_size:] = torch.eye(config.hidden_size)
+    del model
+    optimizer = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, opts.lr, total_steps=opts.steps,
+                                                   pct_start=0.05)
+    step, history = 0, []
+    checkpoint = work / "head.pt"
+    if resume and checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=False)
+        if saved["opts"] != asdict(opts):
+            raise EdgespecError(f"{checkpoint} was trained with other options; pass the same "
+                                "ones, or another --work directory to start afresh.")
+        head.load_state_dict(saved["head"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        step, history = saved["step"], saved["history"]
+        rng = saved["rng"]
+    items = windows(convs, opts.seq_len)
+    per_batch = max(1, opts.batch_tokens // opts.seq_len)
+    weights = torch.tensor([0.8 ** k for k in range(opts.unroll)])
+    with _progress(console) as progress:
+        task = progress.add_task("training the head", total=opts.steps, completed=step)
+        while step < opts.steps:
+            pick = rng.choice(len(items), min(per_batch, len(items)), replace=False)
+            ids, states, targets, valid, mask = batch_of([items[i] for i in pick], opts.unroll)
+            noisy = states + (torch.rand_like(states) * 2 - 1) * opts.noise * \
+                states.pow(2).mean(-1, keepdim=True).sqrt()
+            outputs = head.unrolled(ids, noisy, mask)
+            loss = torch.zeros(())
+            stats = []
+            for k, predicted in enumerate(outputs):
+                v = valid[:, k]
+                p, target = predicted[v], targets[:, k][v]
+                feature = F.smooth_l1_loss(p, target)
+                rows = torch.randperm(len(p))[:opts.ce_rows]
+                with torch.no_grad():
+                    soft = torch.softmax(head.logits(target[rows]), -1)
+                logp = torch.log_softmax(head.logits(p[rows]), -1)
+                ce = -(soft * logp).sum(-1).mean()
+                loss = loss + weights[k] * (feature + opts.ce_weight * ce)
+                stats.append(float((logp.argmax(-1) == soft.argmax(-1)).float().mean()))
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            history.append([float(loss), *stats])
+            progress.update(task, advance=1, description=(
+                f"training the head (loss {np.mean([h[0] for h in history[-20:]]):.3f}, "
+                f"top-1 " + "/".join(f"{np.mean([h[1 + k] for h in history[-20:]]):.2f}"
+                                     for k in range(opts.unroll)) + ")"))
+            if step % 100 == 0 or step == opts.steps:
+                tmp = work / "head.part.pt"
+                torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                            "schedule": schedule.state_dict(), "step": step,
+                            "history": history, "rng": rng, "opts": asdict(opts)}, tmp)
+                tmp.replace(checkpoint)
+    recent = np.mean(history[-50:], axis=0)
+    adapter = adapter_for(source.load())
+    card = {
+        "target": Path(source.name).name, "prompts": len(prompts),
+        "conversations": len(convs), "tokens": int(len(answers)),
+        "options": asdict(opts), "seconds": round(time.time() - started, 1),
+        "final_loss": round(float(recent[0]), 4),
+        "train_top1_by_step": [round(float(x), 4) for x in recent[1:]],
+    }
+    result = DraftHead(config, {k: v.numpy() for k, v in head.export_weights().items()},
+                       kept, fingerprint(adapter.embeddings()), card)
+    result.save(out)
+    (out.with_suffix(".json")).write_text(json.dumps(card, indent=2) + "\n")
+    return result
