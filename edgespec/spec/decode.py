@@ -20,7 +20,7 @@ import numpy as np
 from edgespec.spec.adaptive import GammaController
 from edgespec.spec.chain import verify_chain
 from edgespec.spec.drafters import Drafter, Model, TreeDrafter
-from edgespec.spec.sampling import SamplingParams, sample
+from edgespec.spec.sampling import SamplingParams, sample, warp
 from edgespec.spec.stats import GenerationStats
 from edgespec.spec.tree import verify_tree
 
@@ -101,11 +101,18 @@ def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: Sampli
 def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: SamplingParams,
                 budget: int, rng: np.random.Generator, stats: GenerationStats,
                 on_logits: LogitsSink | None = None) -> Iterator[list[int]]:
-    """Grow a draft tree, verify it in one target pass, keep the accepted path + one.
+    """Grow a draft tree, pass it through the target, then verify its chosen path by a
+    chain pass: the committed tokens are decided by chain rows only.
 
-    The verify pass writes the root and every node into the target's cache; the
-    accepted path's entries are then moved next to the prefix (`compact`), so the cache
-    again holds exactly the committed tokens but the last.
+    A tree pass's rows are not bitwise those of a chain pass (ONNX Runtime's attention
+    sums a row's keys in SIMD lanes, and masked siblings move the keys to other lanes;
+    with int8 activations the logits moved by up to 0.7 on SmolLM2), so trusting them
+    would let greedy output differ from AR's. The tree pass is therefore a proposer:
+    sample-and-match on its rows picks a path and the token after it, each drawn from
+    its row's warped distribution q; the tree's cache entries are dropped and one chain
+    pass over [root, *path, next] verifies them with q (verify_chain), writing exact
+    cache entries. Every emitted token is thus decided by rows bitwise equal to AR
+    steps: greedy output equals AR's, and sampled output has the target's distribution.
     """
     drafter.reset()
     tokens = [*ids, prefill(target, ids, params, rng, stats, on_logits)]
@@ -117,16 +124,25 @@ def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: Sam
         t1 = time.perf_counter()
         past = target.cache.length
         logits = target.forward(*tree.verify_inputs(tokens[-1], past))
-        stats.target_passes += 1
         path, nxt = verify_tree(logits, tree, params, rng)
-        if on_logits:  # row 0 decided the first token, row 1 + node the one after node
-            on_logits(logits[[0, *(1 + node for node in path)]])
-        target.cache.compact(past + 1, [past + 1 + node for node in path])
+        target.cache.trim(target.cache.length - past)
+        # row 0 drew the first proposal, row 1 + node the one after node
+        proposals = [tree.tokens[node] for node in path] + [nxt]
+        drawn_by = [0, *(1 + node for node in path)]
+        if past + len(proposals) + 1 > target.max_len:  # the chain pass must fit
+            proposals, drawn_by = proposals[:-1], drawn_by[:-1]
+        q = None if params.greedy else warp(logits[drawn_by], params)
+        rows = target.forward([tokens[-1], *proposals])
+        stats.target_passes += 2
+        n, nxt = verify_chain(rows, proposals, q, params, rng)
+        if on_logits:
+            on_logits(rows[:n + 1])
         stats.draft_s += t1 - t0
         stats.verify_s += time.perf_counter() - t1
         stats.drafted += len(tree)
-        stats.accepted += len(path)
-        new = [tree.tokens[node] for node in path] + [nxt]
+        stats.accepted += min(n, len(path))
+        new = proposals[:n] + [nxt]
         tokens += new
+        target.cache.trim(target.cache.length - (len(tokens) - 1))
         drafter.rollback()
         yield new
