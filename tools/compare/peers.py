@@ -66,12 +66,14 @@ class LlamaCompletion:
     EVAL = re.compile(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs")
     PROMPT = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
 
-    def __init__(self, bin_dir: Path, gguf: Path, threads: int, context: int = 8192):
+    def __init__(self, bin_dir: Path, gguf: Path, threads: int, poll: int = 50,
+                 context: int = 8192):
         self.exe = bin_dir / "llama-completion"
         if not self.exe.is_file():
             raise Missing(f"no {self.exe}; {LLAMA_BUILD}")
         self.args = ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "--temp", "0",
-                     "-no-cnv", "--no-display-prompt", "--no-warmup", "-c", str(context)]
+                     "-no-cnv", "--no-display-prompt", "--no-warmup", "-c", str(context),
+                     "--poll", str(poll)]
 
     def generate(self, prompt: Prompt, new: int) -> Sample:
         out = subprocess.run([str(self.exe), *self.args, "-n", str(new), "-p", prompt.text],
@@ -93,13 +95,14 @@ class LlamaSpeculative:
     DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
     ACCEPT = re.compile(r"accept\s+=\s+([\d.]+)%")
 
-    def __init__(self, bin_dir: Path, gguf: Path, draft: Path, threads: int,
+    def __init__(self, bin_dir: Path, gguf: Path, draft: Path, threads: int, poll: int = 50,
                  draft_max: int = 4, context: int = 8192):
         self.exe = bin_dir / "llama-speculative"
         if not self.exe.is_file():
             raise Missing(f"no {self.exe}; {LLAMA_BUILD}")
         self.args = ["-m", str(gguf), "-md", str(draft), "-t", str(threads), "-td", str(threads),
-                     "--temp", "0", "--spec-draft-n-max", str(draft_max), "-c", str(context)]
+                     "--temp", "0", "--spec-draft-n-max", str(draft_max), "-c", str(context),
+                     "--poll", str(poll)]
         self.acceptance: list[float] = []
 
     def generate(self, prompt: Prompt, new: int) -> Sample:
@@ -116,13 +119,14 @@ class LlamaSpeculative:
         return Sample(n / seconds if seconds else 0.0, n + 1, out.stdout[len(prompt.text):])
 
 
-def llama_bench(bin_dir: Path, gguf: Path, threads: int, new: int) -> float:
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, new: int, poll: int = 50) -> float:
     """llama-bench's tg figure: decode tokens/s from an empty context, no prompt."""
     exe = bin_dir / "llama-bench"
     if not exe.is_file():
         raise Missing(f"no {exe}; {LLAMA_BUILD}")
     out = subprocess.run([str(exe), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n",
-                          str(new), "-r", "1", "-o", "json"], capture_output=True, text=True,
+                          str(new), "-r", "1", "--poll", str(poll), "-o", "json"],
+                         capture_output=True, text=True,
                          timeout=600, check=True)
     return float(json.loads(out.stdout)[0]["avg_ts"])
 

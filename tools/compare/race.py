@@ -63,10 +63,12 @@ def peers(args: argparse.Namespace, engine: Any) -> tuple[dict[str, Any], list[A
                                                                       engine.default_mode)
     to_close = []
     try:
-        found["llama.cpp"] = LlamaCompletion(args.llama_bin, args.model, args.threads)
+        found["llama.cpp"] = LlamaCompletion(args.llama_bin, args.model, args.threads,
+                                             args.llama_poll)
         if args.draft:
             found["llama.cpp speculative"] = LlamaSpeculative(args.llama_bin, args.model,
-                                                              args.draft, args.threads)
+                                                              args.draft, args.threads,
+                                                              args.llama_poll)
     except Missing as e:
         note(f"llama.cpp: skipped, {e}")
     try:
@@ -121,7 +123,7 @@ def race(args: argparse.Namespace) -> dict[str, Any]:
                 speed[name].append(tokens[name] / seconds[name] if seconds[name] else 0.0)
             if "llama.cpp" in runners:
                 bench_tg.append(llama_bench(args.llama_bin, args.model, args.threads,
-                                            args.new))
+                                            args.new, args.llama_poll))
             note(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{n} {speed[n][-1]:.1f}" for n in names) + " tok/s")
     finally:
@@ -150,8 +152,8 @@ def race(args: argparse.Namespace) -> dict[str, Any]:
             "acceptance": statistics.mean(runners[name].acceptance)
             if getattr(runners[name], "acceptance", None) else None})
     return {"model": str(args.model), "prompts": len(prompts), "new_tokens": args.new,
-            "threads": args.threads, "rounds": args.rounds, "rows": rows,
-            "llama_bench_tg": bench_tg}
+            "threads": args.threads, "llama_poll": args.llama_poll, "rounds": args.rounds,
+            "rows": rows, "llama_bench_tg": bench_tg}
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -193,6 +195,9 @@ def main() -> None:
     ap.add_argument("--draft", type=Path, help="a .gguf draft for the peers' speculation")
     ap.add_argument("--llama-bin", type=Path, default=LLAMA_BIN,
                     help="llama.cpp's bin directory (llama-completion, llama-bench)")
+    ap.add_argument("--llama-poll", type=int, default=50,
+                    help="llama.cpp's --poll (its default 50: threads spin waiting for work, "
+                         "which loses badly on a CPU shared with other jobs; 0: they sleep)")
     ap.add_argument("--genai-python", type=Path, default=Path("/work/venv-genai/bin/python"),
                     help="a Python with onnxruntime-genai installed")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
