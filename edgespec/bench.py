@@ -21,6 +21,7 @@ from rich.table import Table
 
 from edgespec.bench_sets import prompt_ids
 from edgespec.engine import Engine, GenerationConfig
+from edgespec.errors import EdgespecError
 from edgespec.spec import GenerationStats
 
 # id -> (label, GenerationConfig fields); "default" is GenerationConfig()'s own choice
@@ -42,7 +43,8 @@ def draft_description(engine: Engine) -> str:
         return "none"
     if d.nested:
         return f"nested (BitNest, {d.precision})"
-    return f"{d.architecture} {d.precision}, {d.params / 1e6:.1f}M parameters"
+    kind = f"{d.kind} head, " if d.kind else ""
+    return f"{kind}{d.architecture} {d.precision}, {d.params / 1e6:.1f}M parameters"
 
 
 def bench_modes(engine: Engine,
@@ -84,15 +86,20 @@ def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int
     rounds), tokens per target pass, acceptance. Sampled runs are seeded per prompt and
     not compared with AR's output."""
     configs, default = bench_modes(engine, modes)
+    skipped = {}
+    for name, config in list(configs.items()):  # warm-up: each mode's first pass allocates
+        engine.reset()
+        try:
+            engine.generate("x", replace(config, max_new_tokens=4))
+        except EdgespecError as e:  # a mode this bundle's drafter does not support
+            skipped[name] = str(e)
+            del configs[name]
     names = list(configs)
     ids = [prompt_ids(engine.tokenizer, p) for p in prompts]
     # a model with a short context (the demo's 512) keeps the prompt's end
     ids = [x[-max(1, engine.context_length - max_new_tokens - 1):] for x in ids]
     stats: dict[tuple[int, str, float, str], list[GenerationStats]] = defaultdict(list)
     differs: dict[tuple[str, float, str], int] = defaultdict(int)
-    for config in configs.values():  # warm-up: each mode's first pass allocates
-        engine.reset()
-        engine.generate("x", replace(config, max_new_tokens=4))
     done, total = 0, rounds * len(prompts) * len(temperatures)
     for r in range(rounds):
         for i, (item, prompt) in enumerate(zip(prompts, ids, strict=True)):
@@ -135,7 +142,7 @@ def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int
     return {"prompts": len(prompts), "categories": order[:-1], "rounds": rounds,
             "max_new_tokens": max_new_tokens, "temperatures": list(temperatures),
             "device": engine.devices, "draft": draft_description(engine),
-            "default_mode": default,
+            "default_mode": default, "skipped_modes": skipped,
             "prompt_format": "chat template" if engine.tokenizer.chat_template
             else "plain text (no chat template)", "rows": rows}
 
@@ -163,6 +170,8 @@ def print_table(report: dict[str, Any], console: Console) -> None:
     console.print(f"* what `edgespec generate` runs with no flags ({report['default_mode']}); "
                   "vs AR: decode tok/s over AR's in the same run"
                   + (", (range over rounds)" if report["rounds"] > 1 else "") + ".")
+    for name, why in report["skipped_modes"].items():
+        console.print(f"{name}: not run, {why}")
     if any(r["greedy_differs_from_ar"] for r in rows):
         console.print("[red]≠AR[/red]: a greedy output differed from AR's on this many "
                       "prompts (see greedy_differs_from_ar in --json).")
