@@ -100,3 +100,130 @@ def test_a_wrong_verifier_fails_the_head_distribution_test(monkeypatch):
                for _ in range(6000)]
     with pytest.raises(AssertionError):
         assert_matches(samples, exact_distribution(target_table, 0, 3, SamplingParams(1.0)))
+
+
+# --- the exported head against its PyTorch definition, on a random-init Llama ----------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, demo_target):
+    """A small random Llama with the demo tokenizer (a base model: plain prompts)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_target / f, path / f)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    """A head trained for a few steps through the CLI (greedy answers, 3-step unroll)."""
+    from tests.test_cli import run
+
+    path, _ = tiny
+    work = tmp_path_factory.mktemp("head")
+    prompts = work / "prompts.txt"
+    prompts.write_text("def parse(text):\nimport os\nclass Stack:\nfor i in range(10):\n")
+    out = run("train-draft", str(path), "--out", str(work / "tiny.npz"), "--steps", "4",
+              "--kept", "256", "--max-new-tokens", "24", "--prompts", str(prompts),
+              "--greedy-only", timeout=600)
+    assert out.returncode == 0, out.stderr
+    return work / "tiny.npz"
+
+
+def torch_head(head, model):
+    import torch
+
+    from edgespec.train.model import EagleHead
+
+    embed = model.get_input_embeddings().weight.detach()
+    lm = model.get_output_embeddings().weight.detach()[torch.from_numpy(head.kept)]
+    module = EagleHead(head.config, embed, lm)
+    state = {k.removeprefix("layer."): torch.from_numpy(v) for k, v in head.weights.items()}
+    module.load_state_dict({f"{k}.weight": v for k, v in state.items()}, strict=True)
+    return module.eval()
+
+
+def test_exported_head_computes_what_pytorch_trains(tiny, trained, tmp_path):
+    """The head graph (fed in chunks, as drafting does) equals the PyTorch head, and the
+    target's `hidden` output equals transformers' last_hidden_state; the second unrolled
+    step equals drafting one more token from the head's own state."""
+    import torch
+
+    from edgespec.bundle import read_manifest
+    from edgespec.export import export
+    from edgespec.export.draft_head import load_head
+    from edgespec.runtimes import DecoderSession
+
+    path, model = tiny
+    export(path, tmp_path / "b", draft=trained, precision="fp32")
+    m = read_manifest(tmp_path / "b")
+    assert m.draft.kind == "eagle"
+    target = DecoderSession(tmp_path / "b" / m.target.graph, m.target, ["CPUExecutionProvider"])
+    head_session = DecoderSession(tmp_path / "b" / m.draft.graph, m.draft,
+                                  ["CPUExecutionProvider"])
+    ids = np.random.default_rng(0).integers(0, 4096, 20)
+    target.forward(ids[:7])
+    target.forward(ids[7:])
+    with torch.no_grad():
+        states = model.model(torch.from_numpy(ids)[None]).last_hidden_state[0].numpy()
+    assert np.abs(target.features[:20] - states).max() < 1e-4
+
+    head = load_head(trained)
+    module = torch_head(head, model)
+    pair_ids, pair_states = ids[1:], states[:-1]
+    with torch.no_grad():
+        steps = module.unrolled(torch.from_numpy(np.stack([ids[1:-1], ids[2:]]))[None],
+                                torch.from_numpy(states[:-2])[None])
+        ref_logits = module.logits(steps[0][0]).numpy()
+    got = [head_session.forward_head(pair_ids[:5], pair_states[:5]),
+           head_session.forward_head(pair_ids[5:18], pair_states[5:18])]
+    logits = np.concatenate([g[0] for g in got])
+    predicted = np.concatenate([g[1] for g in got])
+    assert np.abs(predicted - steps[0][0].numpy()).max() < 1e-4
+    assert np.abs(logits - ref_logits).max() < 1e-4
+    for j in (0, 6, 17):  # draft one more token at chain j, from the head's own state
+        head_session.cache.reset()
+        head_session.forward_head(pair_ids[:j + 1], pair_states[:j + 1])
+        _, second = head_session.forward_head(ids[j + 2:j + 3], predicted[j:j + 1])
+        assert np.abs(second[0] - steps[1][0, j].numpy()).max() < 1e-4
+
+
+def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):
+    import edgespec
+    from edgespec.export import export
+
+    path, _ = tiny
+    export(path, tmp_path / "b", draft=trained)  # int8, accuracy level 4: the default
+    with edgespec.load(tmp_path / "b") as engine:
+        assert engine.default_mode == "spec"
+        for prompt in ("def parse(text):", "x = [1, 2, 3]\nfor"):
+            spec = engine.generate(prompt, max_new_tokens=40, temperature=0)
+            ar = engine.generate(prompt, max_new_tokens=40, temperature=0, mode="ar")
+            assert spec.token_ids == ar.token_ids
+            assert spec.stats.draft_passes > 0
+
+
+def test_a_head_for_another_model_is_refused(tiny, trained, tmp_path, demo_target):
+    from edgespec.errors import EdgespecError
+    from edgespec.export import export
+
+    with pytest.raises(EdgespecError, match="trained for a model of width|another model"):
+        export(demo_target, tmp_path / "b", draft=trained)
+    assert not (tmp_path / "b").exists()
+    path, _ = tiny
+    with pytest.raises(EdgespecError, match="leave out --vocab-trim"):
+        export(path, tmp_path / "b", draft=trained, vocab_trim=100)
+    bogus = tmp_path / "bogus.npz"
+    np.savez(bogus, x=np.zeros(3))
+    with pytest.raises(EdgespecError, match="not an edgespec draft head"):
+        export(path, tmp_path / "b", draft=bogus)

@@ -72,6 +72,7 @@ def generate(model, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: in
     pad = eos_ids[0] if eos_ids else 0
     for start in range(0, len(prompts), batch):
         encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])
+                   if tokenizer.chat_template else tokenizer.encode(p)  # a base model
                    for p in prompts[start:start + batch]]
         width = max(map(len, encoded))
         ids = torch.full((len(encoded), width), pad, dtype=torch.long)
