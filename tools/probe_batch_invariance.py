@@ -55,11 +55,75 @@ def dynamic_per_tensor(g: GraphBuilder, x: str, w: np.ndarray, name: str) -> str
                   [f"{name}.y"], name, domain=MS)[0]
 
 
+def grouped_int8(group: int) -> Linear:
+    """Activation scales per row and per group of `group` inputs (closer to MatMulNBits'
+    per-block int8 than one scale per row): the groups become a batch of
+    MatMulIntegerToFloat (A [K/g, S, g], B [K/g, g, N]) summed by ReduceSum."""
+    def build(g: GraphBuilder, x: str, w: np.ndarray, name: str) -> str:
+        n, k = w.shape
+        codes, scale = linear_ops.quantize_rows_u8(w)
+        xg = g.node("Reshape", [x, g.const(f"groups{group}.{k}", np.array([-1, k // group, group],
+                                                                          np.int64))],
+                    [f"{name}.xg"], f"{name}.xg")[0]
+        xq, peak = linear_ops.row_scale(g, g.node("Transpose", [xg], [f"{name}.xt"],
+                                                  f"{name}.xt", perm=[1, 0, 2])[0], name)
+        zp = g.const("linear.zp", np.array(128, np.uint8))
+        y = g.node("MatMulIntegerToFloat", [xq, g.const(f"{name}.b", codes.reshape(-1, group, n)),
+                                            peak, g.fconst(f"{name}.cs", scale / 127), zp, zp],
+                   [f"{name}.parts"], f"{name}.parts", domain=MS)[0]
+        return g.node("ReduceSum", [y, g.const("axis0", np.array([0], np.int64))],
+                      [f"{name}.y"], f"{name}.y", keepdims=1)[0]
+    return build
+
+
+def rowwise_hi_lo(g: GraphBuilder, x: str, w: np.ndarray, name: str) -> str:
+    """~16-bit activations from two int8 rows per token: the row's codes and the codes of
+    what they miss, fed as 2S rows of one MatMulIntegerToFloat and summed."""
+    codes, scale = linear_ops.quantize_rows_u8(w)
+    zp = g.const("linear.zp", np.array(128, np.uint8))
+    hi, hi_peak = linear_ops.row_scale(g, x, f"{name}.hi")
+    back = g.node("Mul", [g.node("DequantizeLinear", [hi, g.fconst("linear.step", 1 / 127), zp],
+                                 [f"{name}.dq"], f"{name}.dq")[0], hi_peak],
+                  [f"{name}.back"], f"{name}.back")[0]
+    lo, lo_peak = linear_ops.row_scale(g, g.node("Sub", [x, back], [f"{name}.miss"],
+                                                 f"{name}.miss")[0], f"{name}.lo")
+    both = [g.node("Concat", pair, [f"{name}.{tag}"], f"{name}.{tag}", axis=1)[0]
+            for tag, pair in (("codes", [hi, lo]), ("peaks", [hi_peak, lo_peak]))]
+    y = g.node("MatMulIntegerToFloat", [both[0], g.const(f"{name}.rowcodes", codes), both[1],
+                                        g.fconst(f"{name}.colscale", scale / 127), zp, zp],
+               [f"{name}.y2"], name, domain=MS)[0]
+    y = g.node("Reshape", [y, g.const(f"hilo.{w.shape[0]}", np.array([1, 2, -1, w.shape[0]],
+                                                                     np.int64))],
+               [f"{name}.y4"], f"{name}.y4")[0]
+    return g.node("ReduceSum", [y, g.const("axis1", np.array([1], np.int64))], [f"{name}.y"],
+                  f"{name}.sum", keepdims=0)[0]
+
+
+def rowwise_outliers(count: int) -> Linear:
+    """Per-row int8 with `count` fixed input channels (an export would pick them on
+    calibration data: the largest activations) taken out and computed in fp32."""
+    def build(g: GraphBuilder, x: str, w: np.ndarray, name: str) -> str:
+        channels = np.sort(np.random.default_rng(len(name)).choice(w.shape[1], count, False))
+        keep = np.ones(w.shape[1], np.float32)
+        keep[channels] = 0
+        y = linear_ops.rowwise_int8(g, g.node("Mul", [x, g.fconst(f"{name}.keep", keep)],
+                                              [f"{name}.xk"], f"{name}.xk")[0], w, name)
+        xo = g.node("Gather", [x, g.const(f"{name}.ch", channels.astype(np.int64))],
+                    [f"{name}.xo"], f"{name}.xo", axis=2)[0]
+        yo = g.node("MatMul", [xo, g.fconst(f"{name}.wo", w[:, channels].T.copy())],
+                    [f"{name}.yo"], f"{name}.yo")[0]
+        return g.node("Add", [y, yo], [f"{name}.y"], f"{name}.add")[0]
+    return build
+
+
 KERNELS: dict[str, Linear] = {
     "nbits4 b32 acc4": nbits(4, 32, 4), "nbits4 b16 acc4": nbits(4, 16, 4),
     "nbits8 b32 acc4": nbits(8, 32, 4), "nbits4 b32 acc0": nbits(4, 32, 0),
     "rowwise int8 (MatMulIntegerToFloat)": linear_ops.rowwise_int8,
     "DynamicQuantizeMatMul (per tensor)": dynamic_per_tensor, "fp32 MatMul": fp32,
+    "int8 per row and 64 inputs (batched)": grouped_int8(64),
+    "int8 per row, hi + lo rows": rowwise_hi_lo,
+    "int8 per row + 16 fp32 channels": rowwise_outliers(16),
 }
 
 
