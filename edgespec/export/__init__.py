@@ -221,7 +221,7 @@ def _quality(tmp: Path, target: ModelEntry, reference: ModelEntry, ep_profile: s
             return None
         ids = Tokenizer.from_dir(tokenizer_dir).encode(DEFAULT_TEXT.read_text())
         return compare((tmp / target.graph, target), (tmp / reference.graph, reference),
-                       chunks_of(ids, 256, 8)).as_dict()
+                       chunks_of(ids, min(256, target.max_positions), 8)).as_dict()
     finally:
         for name in (reference.graph, *reference.data_files):
             (tmp / name).unlink(missing_ok=True)

@@ -57,6 +57,7 @@ def own_generations(session: DecoderSession, tokenizer: Tokenizer, prompts: list
     continuation, sampled at T=0.8 (seed 0): the text it will meet."""
     rng = np.random.default_rng(0)
     sequences = []
+    new_tokens = min(new_tokens, session.max_len // 2)  # a short context holds less
     for prompt in prompts:
         ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}])
                if tokenizer.chat_template else tokenizer.encode(prompt))

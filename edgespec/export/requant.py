@@ -16,7 +16,6 @@ from collections.abc import Iterator
 import numpy as np
 
 from edgespec.export.architectures import LayerWeights, LlamaAdapter, Weight, fuse
-from edgespec.quant.recipe import gguf_type, quantize_weight
 
 
 @dataclasses.dataclass
@@ -27,6 +26,8 @@ class Requantizer:
 
     def weight(self, w: Weight, kind: str, layer: int, key: str) -> Weight:
         """One weight quantized (imported encodings and weights no type fits stay)."""
+        from edgespec.quant.recipe import gguf_type, quantize_weight  # needs gguf
+
         if not isinstance(w, np.ndarray):
             return w
         qtype = gguf_type(self.precision, kind, layer, self.adapter.spec.num_layers,

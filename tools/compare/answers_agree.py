@@ -1,0 +1,48 @@
+"""How often a quantized bundle's greedy chat answers equal its reference's, token for token.
+
+The 16 chat prompts of edgespec's real-model benchmark set (edgespec/assets/bench/
+chat.json), each chat-formatted, answered greedily (AR) for `--tokens` tokens by every
+bundle; an answer agrees when all its tokens equal the reference's.
+
+    python tools/compare/answers_agree.py REFERENCE_BUNDLE BUNDLE... [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from importlib.resources import files
+from pathlib import Path
+
+import edgespec
+
+
+def answers(bundle: Path, prompts: list[list[dict]], tokens: int) -> list[list[int]]:
+    engine = edgespec.load(bundle, device="cpu")
+    out = []
+    for messages in prompts:
+        ids = engine.tokenizer.encode_chat(messages)
+        out.append(engine.generate(ids, max_new_tokens=tokens, mode="ar").token_ids)
+    engine.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("reference", type=Path)
+    ap.add_argument("bundles", type=Path, nargs="+")
+    ap.add_argument("--tokens", type=int, default=32)
+    a = ap.parse_args()
+    chat = json.loads((files("edgespec") / "assets" / "bench" / "chat.json").read_text())
+    prompts = [p["messages"] for p in chat["prompts"]]
+    ref = answers(a.reference, prompts, a.tokens)
+    report = {}
+    for bundle in a.bundles:
+        got = answers(bundle, prompts, a.tokens)
+        same = sum(g == r for g, r in zip(got, ref, strict=True))
+        report[str(bundle)] = f"{same}/{len(prompts)}"
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
