@@ -44,7 +44,8 @@ def test_bytes_are_ggufs_layout_and_encode_exactly(qtype):
     np.testing.assert_array_equal(dequantize(q), back)
 
 
-@pytest.mark.parametrize("qtype,plain", [(T.Q4_K, T.Q4_1), (T.Q5_0, T.Q5_0), (T.Q6_K, T.Q5_1)])
+@pytest.mark.parametrize("qtype,plain", [(T.Q4_K, T.Q4_1), (T.Q5_0, T.Q5_0), (T.Q6_K, T.Q5_1),
+                                         (T.Q8_0, T.Q8_0)])
 def test_weighted_search_beats_max_abs_scales(qtype, plain):
     """With importance, the searched codes have a lower importance-weighted error than
     gguf-py's max-abs reference quantizer of the same or more bits per weight."""
@@ -55,7 +56,7 @@ def test_weighted_search_beats_max_abs_scales(qtype, plain):
 
 def test_importance_moves_error_to_unimportant_columns():
     """Weighting by importance lowers the weighted error against the unweighted search."""
-    for qtype in (T.Q4_K, T.Q5_0, T.Q6_K):
+    for qtype in (T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0):
         assert weighted_mse(qtype, kquants.quantize(W, qtype, IMPORTANCE)) < weighted_mse(
             qtype, kquants.quantize(W, qtype))
 

@@ -226,8 +226,18 @@ def q5_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
 
 
 def q8_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-    """[N, K] -> Q8_0 rows (llama.cpp ignores an importance vector for Q8_0 too)."""
-    return quants.quantize(w.astype(F32), GGMLQuantizationType.Q8_0)
+    """[N, K] -> Q8_0 rows, w = d·q: max|w| / 127 without an importance vector (gguf-py's
+    reference, as llama.cpp, which ignores one for Q8_0), the weighted search with one
+    (codes in [-128, 127], as in Q5_0)."""
+    if importance is None:
+        return quants.quantize(w.astype(F32), GGMLQuantizationType.Q8_0)
+    n, k = w.shape
+    x = w.astype(F32)
+    sigma2 = (x * x).sum(1, dtype=F32, keepdims=True) / k
+    weights = (_importance(w, importance) * np.sqrt(sigma2 + x * x)).reshape(-1, 32)
+    d, q = make_qx(x.reshape(-1, 32), 128, weights)
+    block = np.concatenate([_f16_bytes(d), q ^ np.uint8(0x80)], axis=1)
+    return block.reshape(n, -1)
 
 
 QUANTIZERS = {GGMLQuantizationType.Q4_K: q4_k, GGMLQuantizationType.Q6_K: q6_k,
