@@ -362,7 +362,7 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             if uses_recipe(quant, precision, ep_profile, nested):  # the float model, at hand
                 reference = _export_model(target_src, "reference", tmp, "fp32", 32, 0, "cpu",
                                           "sym", progress, stats=True)
-            if reference and calibration and precision == "int4":  # Q8_0 weighs nothing
+            if reference and calibration:
                 importance = _importance(tmp, reference, target_src, calibration, progress)
             target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, quant, progress,
