@@ -333,6 +333,40 @@ def test_greedy_tree_equals_greedy_ar(seed):
     assert stats.accepted > 0 and stats.target_passes < 40
 
 
+class TreeRowsDiffer(MarkovModel):
+    """A target whose tree passes (fed with an attention bias) return other logits than
+    its chain passes: ONNX Runtime's tree rows are not bitwise its chain rows, here the
+    difference is made large enough to change tokens."""
+
+    def __init__(self, table: np.ndarray, tree_table: np.ndarray, max_len: int = 200):
+        super().__init__(table, max_len)
+        self.tree_table = tree_table
+
+    def forward(self, ids: list[int], positions=None, bias=None) -> np.ndarray:
+        rows = super().forward(ids, positions, bias)
+        return rows if bias is None else self.tree_table[np.asarray(ids)]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)])
+def test_tree_rows_never_decide_a_token(params):
+    """Only chain rows decide: greedy trees equal AR of the chain rows and sampled trees
+    have their distribution, however wrong the tree pass's rows are."""
+    target_table, draft_table = tables(11)
+    liar = np.random.default_rng(12).normal(scale=1.5, size=(V, V))
+    assert (liar.argmax(1) != target_table.argmax(1)).any()
+    rng = np.random.default_rng(5)
+
+    def run(prompt, n):
+        drafter = TreeDrafter(MarkovModel(draft_table, 200), top_k=2, depth=3)
+        return take(tree_decode(TreeRowsDiffer(target_table, liar), drafter, prompt, params,
+                                6, rng, GenerationStats("spec")), n)
+    if params.greedy:
+        assert run([1], 40) == greedy_ar(target_table, [1])
+    else:
+        samples = [tuple(run([2], 3)) for _ in range(6000)]
+        assert_matches(samples, exact_distribution(target_table, 2, 3, params))
+
+
 @pytest.mark.parametrize("params", PARAMS)
 def test_tree_sampling_preserves_sequence_distribution(params):
     target_table, draft_table = tables(6)
