@@ -339,7 +339,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         manifest, sizes = _write(target_src, draft_src, out, precision, draft_precision,
                                  block_size, ep_profile, accuracy_level, quant, nested,
                                  vocab_trim, trim_source, trim_prompts, kv_cache, overwrite,
-                                 console, head, calibration)
+                                 console, head, calibration,
+                                 floats=target_src.kind != "gguf" or requantize)
     if summary:  # the table of files; an export into the cache only shows its progress
         _summary(console, manifest, sizes, time.time() - start, Path(out))
     return manifest
@@ -350,16 +351,18 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
            quant: str, nested: bool, vocab_trim: int | None, trim_source: str,
            trim_prompts: list[str] | None, kv_cache: str, overwrite: bool,
            console: Console, head: Path | None = None,
-           calibration: str | Path | None = None) -> tuple[Manifest, dict[str, int]]:
+           calibration: str | Path | None = None, floats: bool = True
+           ) -> tuple[Manifest, dict[str, int]]:
     """Build every graph and file of the bundle in a temporary directory, then move it
-    into place (write_bundle)."""
+    into place (write_bundle). `floats`: the target's weights are floats (not a GGUF
+    file's kept codes), so the float model is at hand to calibrate and compare with."""
     target_dir, eos_ids = target_src.tokenizer_dir, target_src.eos_ids
     columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     try:
         with write_bundle(out, overwrite) as (tmp, finish), Progress(
                 *columns, console=console, transient=True) as progress:
             importance = reference = None
-            if uses_recipe(quant, precision, ep_profile, nested):  # the float model, at hand
+            if floats and uses_recipe(quant, precision, ep_profile, nested):
                 reference = _export_model(target_src, "reference", tmp, "fp32", 32, 0, "cpu",
                                           "sym", progress, stats=True)
             if reference and calibration:

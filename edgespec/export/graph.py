@@ -27,6 +27,7 @@ from edgespec.quant.bitnest import NestedWeight, nest
 from edgespec.quant.blockwise import (
     QuantizedWeight,
     dequantize,
+    pack_rows,
     quantize_blockwise,
     split_blocks,
 )
@@ -102,6 +103,8 @@ class GraphBuilder:
         self._consts: set[str] = set()
         self._once: dict[str, str] = {}  # tensors computed once per graph (see once)
         self.gate: tuple[str, str] = ("", "")  # BitNest: see gate_residuals
+        self.pack_six = False  # see small_ints
+        self._six: list[tuple[str, np.ndarray]] = []
 
     def const(self, name: str, array: np.ndarray) -> str:
         """A named constant; asking again for a name already made reuses it."""
@@ -236,7 +239,7 @@ class GraphBuilder:
         key = f"{store}.{kind}"
 
         def make() -> str:
-            factors = [self.node("Cast", [self.const(f"{key}.{i}", p)], [f"{key}.{i}.f"],
+            factors = [self.node("Cast", [self.small_ints(f"{key}.{i}", p)], [f"{key}.{i}.f"],
                                  f"{key}.{i}.cast", to=TensorProto.FLOAT)[0]
                        for i, p in enumerate(q.stored[kind])]
             out = factors[0]
@@ -255,6 +258,50 @@ class GraphBuilder:
             return out
 
         return self.once(f"{key}.f32", make)
+
+    def small_ints(self, name: str, a: np.ndarray) -> str:
+        """A stored integer factor. With `pack_six` (set by build_decoder), 6-bit unsigned
+        ones (K-quants' sub-block scales and minimums) are held in 6 bits as GGUF keeps
+        them, not a byte each (Q4_K: 4.5 bits per weight, not 4.625): all of a graph's go
+        into one constant of 4-bit and 2-bit parts, joined once at session load
+        (finish_six) and split into the factors — per-factor unpacking cost more graph
+        than it saved on small models."""
+        if not self.pack_six or a.dtype != np.uint8 or a.size < 256 or a.max(initial=0) >= 64:
+            return self.const(name, a)
+        self._six.append((f"{name}.flat", a.reshape(-1)))
+        shape = self.const("shape." + "x".join(map(str, a.shape)), np.array(a.shape, np.int64))
+        return self.node("Reshape", [f"{name}.flat", shape], [f"{name}.v"], f"{name}.v")[0]
+
+    def finish_six(self) -> None:
+        """The 6-bit factors' one constant, joined and split into them by nodes placed
+        first in the graph (they read constants only)."""
+        if not self._six:
+            return
+        names, parts = zip(*self._six, strict=True)
+        pad = (-sum(p.size for p in parts)) % 4
+        values = np.concatenate([*parts, np.zeros(pad, np.uint8)])[None]
+        body, self.nodes = self.nodes, []
+        shape = self.const("six.shape", np.array([values.size], np.int64))
+        low = self.unpacked(self.const("six.low", pack_rows(values & 0x0F, 4)), 4, shape,
+                            "six.low")
+        high = self.unpacked(self.const("six.high", pack_rows(values >> 4, 2)), 2, shape,
+                             "six.high")
+        high = self.node("BitShift", [high, self.const("four.u8", np.array(4, np.uint8))],
+                         ["six.hs"], "six.hs", direction="LEFT")[0]
+        joined = self.node("BitwiseOr", [low, high], ["six.values"], "six.values")[0]
+        # Split reads its sizes when the session loads: they must stay inside the graph
+        # file (< 1 KiB, not external data), so factors go in groups of 64
+        start, i64 = 0, np.int64
+        for g in range(0, len(parts), 64):
+            sizes = [p.size for p in parts[g:g + 64]]
+            group = self.node("Slice", [joined, self.const(f"six.{g}.at", np.array([start], i64)),
+                                        self.const(f"six.{g}.end", np.array(
+                                            [start + sum(sizes)], i64))],
+                              [f"six.{g}"], f"six.{g}")[0]
+            self.node("Split", [group, self.const(f"six.{g}.sizes", np.array(sizes, i64))],
+                      list(names[g:g + 64]), f"six.{g}.split", axis=0)
+            start += sum(sizes)
+        self.nodes += body
 
     def unpacked(self, packed: str, bits: int, shape: str, name: str) -> str:
         """Codes packed `8 // bits` per byte (low bits first) -> one byte each, [.., shape]."""
@@ -558,6 +605,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
+    g.pack_six = True
     tied = embeddings is lm_head
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew
         embeddings, lm_head = as_float(embeddings), as_float(lm_head)
@@ -745,6 +793,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
         g.node("Cast", [logits], ["logits"], "logits", to=TensorProto.FLOAT)
     else:
         g.node("Identity", [logits], ["logits"], "logits")
+    g.finish_six()
     graph = helper.make_graph(g.nodes, f"edgespec-{spec.architecture}", inputs, outputs,
                               initializer=g.inits)
     return helper.make_model(graph, producer_name="edgespec", ir_version=10,

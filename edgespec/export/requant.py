@@ -38,6 +38,10 @@ class Requantizer:
 
     def parts(self, w: Weight | list[Weight], kinds: tuple[str, ...], sizes: list[int],
               layer: int, key: str) -> Weight | list[Weight]:
+        """A fused weight cut into its parts (of `sizes` rows), each quantized; imported
+        encodings (a GGUF file's fused codes) stay as they are."""
+        if not isinstance(w, (list, np.ndarray)):
+            return w
         pieces = w if isinstance(w, list) else np.split(w, np.cumsum(sizes)[:-1])
         return fuse([self.weight(p, kind, layer, key)
                      for p, kind in zip(pieces, kinds, strict=True)])
@@ -48,7 +52,7 @@ class Requantizer:
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         for i, lw in enumerate(self.adapter.layers()):
             p = f"layers.{i}"
-            half = None if isinstance(lw.gate_up, list) else lw.gate_up.shape[0] // 2
+            half = lw.gate_up.shape[0] // 2 if isinstance(lw.gate_up, np.ndarray) else 0
             yield dataclasses.replace(
                 lw, qkv=self.parts(lw.qkv, ("attn_q", "attn_k", "attn_v"), [q, kv, kv], i,
                                    f"{p}.qkv"),
