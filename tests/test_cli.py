@@ -150,6 +150,11 @@ def test_export_k_recipe_then_quality(tmp_path, demo_target):
     assert manifest["target"]["block_size"] is None
     assert manifest["provenance"]["quant"] == "k"
     assert manifest["provenance"]["calibration"] == "calib.txt"
+    # no bigger than llama.cpp's Q4_K_M of the same checkpoint (llama-quantize 0c1e570 of
+    # its F32 GGUF: 3,777,472 bytes, tokenizer included; this bundle's graph + weights)
+    target = manifest["target"]
+    assert sum((tmp_path / "b" / f).stat().st_size
+               for f in (target["graph"], *target["data_files"])) <= 3_777_472
     assert "target vs the float model (fractions.py, 1024 tokens scored): KL" in out.stderr
     q = run("quality", str(tmp_path / "b"), "--reference", str(demo_target), "--json")
     assert q.returncode == 0, q.stderr
