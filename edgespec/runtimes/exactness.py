@@ -2,9 +2,11 @@
 
 Greedy speculative decoding is token-for-token equal to autoregressive decoding only if
 the target's logits for a token are the same whether the token is fed alone (an AR step),
-inside a chain of S tokens (a verify pass) or as one path of a token tree. This module
-feeds the same tokens all three ways after the same prefix and reports the largest
-difference per way; 0.0 everywhere is bitwise batch invariance. Tests and
+inside a chain of S tokens (a verify pass). Tree passes are not (ONNX Runtime's CPU
+attention), which is why tree decoding verifies the path a tree pass picks by a chain
+pass (spec.decode.tree_decode). This module feeds the same tokens all three ways (alone,
+in chains, along one path of a tree) after the same prefix and reports the largest
+difference per way; 0.0 is bitwise batch invariance. Tests and
 tools/probe_batch_invariance.py use it on real bundles.
 """
 
