@@ -145,3 +145,23 @@ def test_stored_parts_keep_the_file_size():
     g.linear("x", encode(blocks, T.Q5_0), "probe")
     stored = sum(onnx.numpy_helper.to_array(t).nbytes for t in g.inits)
     assert stored <= blocks.nbytes * 1.01
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K], ids=lambda t: t.name)
+def test_six_bit_scales_are_held_in_six_bits_and_exact(qtype):
+    """As build_decoder stores them (pack_six): the 6-bit sub-block scales and minimums in
+    6 bits each, joined at load; the weights stay bitwise gguf-py's and Q4_K's constants
+    no bigger than the file's blocks."""
+    blocks = k_quant_blocks(qtype, 64, np.random.default_rng(3))
+    q = encode(blocks, qtype)
+    g = GraphBuilder("int8", q.block_size, accuracy_level=0)
+    g.pack_six = True
+    out = g.linear("x", q, "probe")
+    g.finish_six()
+    assert any(t.name == "six.low" for t in g.inits)
+    eye = np.eye(q.k, dtype=np.float32)[None]
+    got = run_graph(g, {"x": eye}, out, {"x": TensorProto.FLOAT})[0].T
+    assert_bitwise(got, quants.dequantize(blocks, qtype))
+    if qtype == T.Q4_K:  # (Q5_K's per-block centres, where not exact, cost ~10% more)
+        stored = sum(onnx.numpy_helper.to_array(t).nbytes for t in g.inits)
+        assert stored <= blocks.nbytes * 1.01
