@@ -33,6 +33,7 @@ from edgespec.export.draft_head import (
 from edgespec.export.graph import build_decoder, kv_head_dim, rows_of
 from edgespec.export.kv_quant import calibrate_target, kv_scales
 from edgespec.export.requant import Requantizer
+from edgespec.export.shared_data import share_weights
 from edgespec.export.source import Source, open_source
 from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
 from edgespec.quality import DEFAULT_TEXT, chunks_of, compare
@@ -173,11 +174,12 @@ def _export_head(head_path: Path, source: Source, out: Path, precision: str, blo
                              dtype=PROFILE_DTYPE[ep_profile],
                              attention=PROFILE_ATTENTION[ep_profile])
     _save(model, out, "draft")
+    data_files = share_weights(out, "draft.onnx", "target.onnx")  # the embedding, once
     np.save(out / "draft_vocab.npy", head.kept)
     progress.update(task, total=1, completed=1, description="draft head: done")
     c = head.config
     return ModelEntry(
-        graph="draft.onnx", data_files=["draft.onnx.data"], architecture="eagle-head",
+        graph="draft.onnx", data_files=data_files, architecture="eagle-head",
         precision=precision, block_size=None if precision in ("fp32", "fp16") else block_size,
         kv_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name,
         compute_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name,

@@ -1,10 +1,11 @@
 """What a draft head learns from: the target's own answers and its states along them.
 
-The target (in PyTorch, through transformers: its own GGUF loading for a .gguf file)
-answers the built-in prompts, or a user's, through its chat template, greedily and
-sampled at T=0.7: a draft head must predict what *this* target says. Then each
-conversation is read once more, teacher-forced, for the final-norm states the exported
-target hands its head at run time.
+The target runs as edgespec exports it (the same graph the head will draft for, its
+final-norm states read from the graph as output `hidden`) and answers the built-in
+prompts, or a user's, through its chat template: a draft head must predict what *this*
+target says, from the states *this* target hands it. Greedy answers first; sampled ones
+(T=0.7) too when asked. The states of the prompt and answer tokens are recorded while
+generating (spec.decode's AR loop), so no second pass is needed.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from edgespec.errors import EdgespecError
-from edgespec.export.source import Source
 from edgespec.tokenizer import Tokenizer
 
 PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "draft_train" / "prompts.txt"
@@ -41,73 +40,56 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-def load_target(source: Source):
-    """The target as a float32 transformers model (the independent implementation)."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(source.name)
-    kwargs = dict(dtype=torch.float32)
-    if source.kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     **kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(source.tokenizer_dir, **kwargs)
-    return model.eval()
-
-
 @dataclass
 class Conversation:
     tokens: np.ndarray  # int64 [T]: prompt (through the chat template) and answer
     states: np.ndarray  # float16 [T, d]: the target's final-norm state after each token
 
 
-def generate(model, tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int,
-             temperature: float, seed: int, batch: int, eos_ids: list[int],
-             on_batch: Callable[[int], None]) -> list[Conversation]:
-    """The target's answers, `batch` prompts at a time (left-padded), with the states
-    generation computed anyway (the last layer's, after the final norm): reading each
-    conversation again would cost as much as a third of generating it."""
-    torch.manual_seed(seed)
+def with_hidden_output(path: Path) -> bytes:
+    """The target graph at `path` with its final-norm states as output `hidden`."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    model = onnx.load(str(path), load_external_data=False)
+    if not any(o.name == "hidden" for o in model.graph.output):
+        model.graph.node.append(helper.make_node("Cast", ["final.norm"], ["hidden"],
+                                                 to=TensorProto.FLOAT))
+        model.graph.output.append(helper.make_tensor_value_info(
+            "hidden", TensorProto.FLOAT, [1, "sequence", "hidden"]))
+    return model.SerializeToString()
+
+
+def generate(bundle: Path, prompts: list[str], max_new_tokens: int, temperature: float,
+             seed: int, threads: int, on_prompt: Callable[[], None]) -> list[Conversation]:
+    """The bundle's target answers each prompt (AR); its states come with the tokens."""
+    from edgespec.bundle import read_manifest
+    from edgespec.runtimes import DecoderSession, resolve_providers
+    from edgespec.runtimes.decoder import open_session
+    from edgespec.spec import GenerationStats, SamplingParams, ar_decode
+
+    m = read_manifest(bundle)
+    tokenizer = Tokenizer.from_dir(bundle)
+    path = bundle / m.target.graph
+    providers = resolve_providers("cpu")
+    session = open_session(path, providers, threads, with_hidden_output(path))
+    target = DecoderSession(path, m.target, providers, max_len=4096, threads=threads,
+                            shared=session)
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature)
+    eos = set(m.eos_token_ids)
     out = []
-    pad = eos_ids[0] if eos_ids else 0
-    for start in range(0, len(prompts), batch):
-        encoded = [tokenizer.encode_chat([{"role": "user", "content": p}])
-                   if tokenizer.chat_template else tokenizer.encode(p)  # a base model
-                   for p in prompts[start:start + batch]]
-        width = max(map(len, encoded))
-        ids = torch.full((len(encoded), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, e in enumerate(encoded):
-            ids[i, width - len(e):] = torch.tensor(e)
-            mask[i, width - len(e):] = 1
-        with torch.no_grad():
-            result = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                do_sample=temperature > 0, temperature=temperature or None, top_p=None,
-                top_k=None, eos_token_id=eos_ids or None, pad_token_id=pad,
-                output_hidden_states=True, return_dict_in_generate=True)
-        # one entry per fed step: the prompt, then each token fed after it
-        states = torch.cat([step[-1] for step in result.hidden_states], dim=1)
-        for i, e in enumerate(encoded):
-            seq = result.sequences[i, width - len(e):].tolist()
-            ends = [k for k in range(len(e), len(seq)) if seq[k] in eos_ids]
-            n = min(ends[0] + 1 if ends else len(seq), states.shape[1] - width + len(e))
-            out.append(Conversation(np.array(seq[:n], dtype=np.int64),
-                                    states[i, width - len(e):width - len(e) + n].numpy()
-                                    .astype(np.float16)))
-        on_batch(len(encoded))
+    for prompt in prompts:
+        ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}])
+               if tokenizer.chat_template else tokenizer.encode(prompt))  # a base model
+        target.cache.reset()
+        answer: list[int] = []
+        for step in ar_decode(target, ids, params, rng, GenerationStats("ar")):
+            answer += step
+            if step[-1] in eos or len(answer) >= max_new_tokens:
+                break
+        tokens = ids + answer[:-1]  # the states of all tokens the target was fed
+        out.append(Conversation(np.array(tokens, dtype=np.int64),
+                                target.features[:len(tokens)].astype(np.float16)))
+        on_prompt()
     return out
-
-
-def lm_head_weight(model) -> torch.Tensor:
-    return model.get_output_embeddings().weight.detach().float()
-
-
-def embedding_weight(model) -> torch.Tensor:
-    return model.get_input_embeddings().weight.detach().float()
-
-
-def embed_scale(model) -> float | None:
-    """Gemma scales its embeddings by sqrt(d) inside the embedding module."""
-    scale = getattr(model.get_input_embeddings(), "embed_scale", None)
-    return float(scale) if scale is not None else None

@@ -1,12 +1,13 @@
 """`edgespec train-draft`: an EAGLE head for a target, from the target alone.
 
-1. The target answers the prompts (greedy and T=0.7); 2. its states are read along each
-conversation; 3. the kept vocabulary is the K tokens most frequent in those answers
-(VocabTrim); 4. the head learns, unrolled over `steps` draft positions, to predict the
-target's next state (smooth L1) and its next-token distribution over the kept tokens
-(cross-entropy against the target's own, soft); 5. the head is written with a model card.
+1. The exported target answers the prompts (greedy, and T=0.7 unless told otherwise),
+its states recorded along each conversation (train.data); 2. the kept vocabulary is the K
+tokens most frequent in those conversations (VocabTrim); 3. the head learns, unrolled
+over `unroll` draft positions, to predict the target's next state (smooth L1) and its
+next-token distribution over the kept tokens (cross-entropy against the target's own,
+soft); 4. the head is written with a model card.
 
-Steps 1-2 are cached in the work directory and training checkpoints itself there, so an
+Step 1 is cached in the work directory and training checkpoints itself there, so an
 interrupted run resumes where it stopped (`resume=True`). Everything is seeded.
 """
 
@@ -26,9 +27,10 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
 from edgespec.export.draft_head import DraftHead, HeadConfig, fingerprint
+from edgespec.export.graph import as_float
 from edgespec.export.source import Source
+from edgespec.model_cache import cached_bundle
 from edgespec.quant.vocab_trim import kept_tokens
-from edgespec.tokenizer import Tokenizer
 from edgespec.train import data
 from edgespec.train.model import EagleHead
 
@@ -57,7 +59,7 @@ def _progress(console: Console) -> Progress:
         console=console)
 
 
-def conversations(source: Source, model, prompts: list[str], opts: TrainOptions, work: Path,
+def conversations(bundle: Path, prompts: list[str], opts: TrainOptions, work: Path,
                   console: Console) -> list[data.Conversation]:
     """The target's answers and states, cached in `work` (conversations.npz)."""
     cache = work / "conversations.npz"
@@ -68,15 +70,14 @@ def conversations(source: Source, model, prompts: list[str], opts: TrainOptions,
             states = np.split(z["states"], np.cumsum(lengths)[:-1])
         console.print(f"reusing {len(lengths)} conversations from {cache}")
         return [data.Conversation(t, s) for t, s in zip(tokens, states, strict=True)]
-    tokenizer = Tokenizer.from_dir(source.tokenizer_dir)
     temperatures = [0.0, 0.7] if opts.sampled else [0.0]
     convs = []
     with _progress(console) as progress:
         for i, temperature in enumerate(temperatures):
             task = progress.add_task(f"target answers (T={temperature})", total=len(prompts))
-            convs += data.generate(model, tokenizer, prompts, opts.max_new_tokens,
-                                   temperature, opts.seed + i, opts.gen_batch,
-                                   source.eos_ids, lambda n, t=task: progress.advance(t, n))
+            convs += data.generate(bundle, prompts, opts.max_new_tokens, temperature,
+                                   opts.seed + i, torch.get_num_threads(),
+                                   lambda t=task: progress.advance(t))
     tmp = work / "conversations.part.npz"
     np.savez(tmp, lengths=np.array([len(c.tokens) for c in convs]),
              tokens=np.concatenate([c.tokens for c in convs]),
@@ -127,20 +128,20 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     torch.manual_seed(opts.seed)
     rng = np.random.default_rng(opts.seed)
     started = time.time()
-    spec = adapter_for(source.load()).spec
-    model = data.load_target(source)
+    adapter = adapter_for(source.load())
+    spec = adapter.spec
     prompts = prompts or data.builtin_prompts()
-    convs = conversations(source, model, prompts, opts, work, console)
+    convs = conversations(cached_bundle(source.name, console), prompts, opts, work, console)
     answers = np.concatenate([c.tokens for c in convs])
     counts = np.bincount(answers, minlength=spec.vocab_size)
     kept = kept_tokens(counts, min(opts.kept, spec.vocab_size), source.eos_ids)
     config = HeadConfig.for_target(spec, opts.intermediate_size or 2 * spec.hidden_size)
-    head = EagleHead(config, data.embedding_weight(model),
-                     data.lm_head_weight(model)[torch.from_numpy(kept)], data.embed_scale(model))
+    embeddings = adapter.embeddings()
+    head = EagleHead(config, torch.from_numpy(as_float(embeddings)),
+                     torch.from_numpy(as_float(adapter.lm_head())[kept]), spec.embed_scale)
     with torch.no_grad():  # start as the identity on the state half: h' ≈ h
         head.fusion.weight.zero_()
         head.fusion.weight[:, config.hidden_size:] = torch.eye(config.hidden_size)
-    del model
     optimizer = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, opts.lr, total_steps=opts.steps,
                                                    pct_start=0.05)
@@ -198,7 +199,6 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
                             "history": history, "rng": rng, "opts": asdict(opts)}, tmp)
                 tmp.replace(checkpoint)
     recent = np.mean(history[-50:], axis=0)
-    adapter = adapter_for(source.load())
     card = {
         "target": Path(source.name).name, "prompts": len(prompts),
         "conversations": len(convs), "tokens": int(len(answers)),
@@ -207,7 +207,7 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
         "train_top1_by_step": [round(float(x), 4) for x in recent[1:]],
     }
     result = DraftHead(config, {k: v.numpy() for k, v in head.export_weights().items()},
-                       kept, fingerprint(adapter.embeddings()), card)
+                       kept, fingerprint(embeddings), card)
     result.save(out)
     (out.with_suffix(".json")).write_text(json.dumps(card, indent=2) + "\n")
     return result
