@@ -13,7 +13,7 @@ import hashlib
 from pathlib import Path
 
 import onnx
-from onnx.external_data_helper import ExternalDataInfo, set_external_data
+from onnx.external_data_helper import ExternalDataInfo
 
 MIN_SHARED = 1 << 16  # bytes: smaller tensors are not worth a reference into another file
 
@@ -25,6 +25,13 @@ def _external(tensor: onnx.TensorProto, folder: Path) -> tuple[str, bytes] | Non
     with open(folder / info.location, "rb") as f:
         f.seek(info.offset or 0)
         return info.location, f.read(info.length)
+
+
+def _point(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", offset), ("length", length)):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, str(value)
 
 
 def share_weights(folder: Path, graph: str, source: str) -> list[str]:
@@ -51,15 +58,13 @@ def share_weights(folder: Path, graph: str, source: str) -> list[str]:
         _, data = found
         shared = where.get(hashlib.sha256(data).hexdigest()) if len(data) >= MIN_SHARED \
             else None
-        del t.external_data[:]
         if shared:
-            set_external_data(t, shared[0], shared[1], shared[2])
+            _point(t, *shared)
             files.add(shared[0])
         else:
-            set_external_data(t, own, offset, len(data))
+            _point(t, own, offset, len(data))
             chunks.append(data)
             offset += len(data)
-        t.data_location = onnx.TensorProto.EXTERNAL
     tmp = folder / f"{own}.part"
     tmp.write_bytes(b"".join(chunks))
     tmp.replace(folder / own)
