@@ -73,8 +73,9 @@ def smollm2(root, precision: str, kv: str = "float", block: int = 32,
             draft: str | None = None):
     out = root / f"{precision}-{kv}-b{block}-{draft}"
     if not out.exists():
+        # no calibration: importance changes the codes, not the kernels' invariance
         export(smollm2_gguf(), out, precision=precision, kv_cache=kv, block_size=block,
-               draft=draft, requantize=True)
+               draft=draft, requantize=True, calibration=None)
     return out
 
 

@@ -20,13 +20,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import DecoderSpec, LayerWeights, Weight
 from edgespec.quant.blockwise import QuantizedWeight, dequantize
+
+if TYPE_CHECKING:
+    import onnx
 
 FORMAT = "edgespec-eagle-head"
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "drafts"
@@ -169,7 +172,7 @@ def check_fits(head: DraftHead, spec: DecoderSpec, embeddings: Weight, path: Pat
 
 
 def build_head_graph(head: DraftHead, spec: DecoderSpec, embeddings: Weight, lm_head: Weight,
-                     precision: str, **options: Any):
+                     precision: str, **options: Any) -> onnx.ModelProto:
     """The head as an ONNX graph: the target's embedding (its own codes, gathered) and
     the kept rows of its LM head around the head's fusion and layer. `options` go to
     graph.build_decoder (block size, accuracy level, dtype, attention)."""

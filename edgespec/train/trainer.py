@@ -187,7 +187,7 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
             optimizer.step()
             schedule.step()
             step += 1
-            history.append([float(loss), *stats])
+            history.append([loss.item(), *stats])
             progress.update(task, advance=1, description=(
                 f"training the head (loss {np.mean([h[0] for h in history[-20:]]):.3f}, "
                 f"top-1 " + "/".join(f"{np.mean([h[1 + k] for h in history[-20:]]):.2f}"
