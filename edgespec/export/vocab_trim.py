@@ -74,26 +74,80 @@ def special_ids(tokenizer_dir: Path, eos_ids: list[int]) -> list[int]:
     return [t["id"] for t in added if t.get("special", True)] + list(eos_ids)
 
 
-def _slice_head(model: onnx.ModelProto, rows: np.ndarray) -> None:
-    """Keep `rows` of the graph's LM head, whatever precision it was exported in."""
+def _constant(model: onnx.ModelProto, name: str) -> np.ndarray:
+    """The value of a tensor computed from initializers alone (a head's scales are stored
+    in a compact dtype and layout and cast/reshaped in the graph)."""
+    from onnx.reference import ReferenceEvaluator
+
     inits = {t.name: t for t in model.graph.initializer}
+    if name in inits:
+        return numpy_helper.to_array(inits[name])
+    producers = {o: n for n in model.graph.node for o in n.output}
+    nodes, needed, todo = [], set(), [name]
+    while todo:
+        t = todo.pop()
+        if t in inits or t in needed or not t:
+            continue
+        needed.add(t)
+        nodes.append(producers[t])
+        todo += list(producers[t].input)
+    graph = onnx.helper.make_graph(
+        [n for n in model.graph.node if n in nodes], "constant", [],
+        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)],
+        [inits[i] for n in nodes for i in n.input if i in inits])
+    sub = onnx.helper.make_model(graph, opset_imports=model.opset_import)
+    return ReferenceEvaluator(sub).run(None, {})[0]
 
-    def replace(name: str, array: np.ndarray) -> None:
-        inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array), name))
 
-    if "lm_head.weight" in inits:  # MatMul: stored transposed, [hidden, rows]
-        replace("lm_head.weight", numpy_helper.to_array(inits["lm_head.weight"])[:, rows])
-    else:  # MatMulNBits: one row of packed blocks, scales (and zero points) per output
-        qweight = numpy_helper.to_array(inits["lm_head.qweight"])
-        replace("lm_head.qweight", qweight[rows])
-        for name in ("lm_head.scales", "lm_head.zp"):
-            if name in inits:
-                values = numpy_helper.to_array(inits[name])
-                replace(name, values.reshape(qweight.shape[0], -1)[rows].reshape(-1))
-        node = next(n for n in model.graph.node if n.name == "lm_head")
-        next(a for a in node.attribute if a.name == "N").i = len(rows)
+def _slice_head(model: onnx.ModelProto, rows: np.ndarray) -> None:
+    """Keep `rows` of the graph's LM head, whatever precision and layout it was exported in.
+
+    The head's inputs may be shared (a tied embedding gathers rows from the head's own
+    codes and scales), so the head node gets sliced copies of its own and the originals
+    stay for whatever else reads them."""
+    node = next(n for n in model.graph.node if n.name == "lm_head")
+
+    def sliced(name: str, take) -> str:
+        model.graph.initializer.append(numpy_helper.from_array(
+            np.ascontiguousarray(take(_constant(model, name))), f"{name}.kept"))
+        return f"{name}.kept"
+
+    if node.op_type == "MatMul":  # stored transposed, [hidden, rows]
+        node.input[1] = sliced(node.input[1], lambda v: v[:, rows])
+    else:  # MatMulNBits: packed blocks, scales (and zero points) per output row, maybe flat
+        n = next(a for a in node.attribute if a.name == "N")
+
+        def by_row(v: np.ndarray) -> np.ndarray:
+            shape = (len(rows), *v.shape[1:]) if v.shape[0] == n.i else (-1,)
+            return v.reshape(n.i, -1)[rows].reshape(shape)
+
+        for i, name in enumerate(node.input[1:4], start=1):
+            if name and _constant(model, name).size % n.i == 0:
+                node.input[i] = sliced(name, by_row)
+        n.i = len(rows)
     logits = next(o for o in model.graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[2].dim_value = len(rows)
+    _drop_unread(model.graph)
+
+
+def _reads(graph: onnx.GraphProto) -> set[str]:
+    """Every tensor name the graph's nodes read, in their subgraphs (If branches) too."""
+    return {i for n in graph.node for i in n.input} | {
+        name for n in graph.node for a in n.attribute
+        if a.type == onnx.AttributeProto.GRAPH for name in _reads(a.g)}
+
+
+def _drop_unread(graph: onnx.GraphProto) -> None:
+    """Remove the nodes and initializers that nothing reads any more (the full head)."""
+    while True:
+        read = _reads(graph) | {o.name for o in graph.output}
+        dead = [n for n in graph.node if not any(o in read for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            graph.node.remove(n)
+    for t in [t for t in graph.initializer if t.name not in read]:
+        graph.initializer.remove(t)
 
 
 def retrim_bundle(bundle: Path, k: int, source: str = "target",
