@@ -117,11 +117,13 @@ def cli() -> None:
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               show_default=True,
               help="Quantized matmuls: 4 = int8 activations (fast on CPU), 0 = fp32.")
-@click.option("--quant", type=click.Choice(["k", "sym", "asym"]), default="k", show_default=True,
+@click.option("--quant", type=click.Choice(["k", "sym", "asym", "rot"]), default="k",
+              show_default=True,
               help="k: int4/int8 as llama.cpp's Q4_K_M/Q8_0 recipe (its types and error "
                    "search, importance-weighted; --block-size does not apply); sym/asym: "
                    "plain blocks of --block-size, asym with a zero point each (int2 and "
-                   "--draft nested always).")
+                   "--draft nested always); rot: int8 with rotated weights and the exact "
+                   "integer GEMM, whose multi-token passes cost least (cpu profile).")
 @click.option("--calibration", default="self", show_default=True,
               help="--quant k's importance weights: 'self' (the model's own generations), "
                    "a text file, or 'none'.")

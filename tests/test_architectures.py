@@ -100,6 +100,25 @@ def test_fp32_export_matches_transformers(checkpoint, tmp_path):
     assert np.abs(got - ref).max() < TOL * max(1.0, np.abs(ref).max())
 
 
+def test_rotated_export_computes_the_same_function(checkpoint, tmp_path):
+    """--quant rot folds orthogonal rotations into the weights (export.rotation): in fp32
+    the graph must still compute transformers' logits, for every family that has no norm
+    on its branch outputs; Gemma 2/3's sandwich norms are refused with a sentence."""
+    path, model = checkpoint
+    if getattr(model.config, "model_type", "") in ("gemma2", "gemma3_text"):
+        with pytest.raises(EdgespecError, match="cannot pass through"):
+            export(path, tmp_path / "b", precision="fp32", quant="rot")
+        assert not (tmp_path / "b").exists()
+        return
+    export(path, tmp_path / "b", precision="fp32", quant="rot")
+    sess = session(tmp_path / "b")
+    ids = np.random.default_rng(3).integers(0, VOCAB, 24)
+    ref = torch_logits(model, ids)
+    got = np.concatenate([sess.forward(ids[:9]), sess.forward(ids[9:10]),
+                          sess.forward(ids[10:])])
+    assert np.abs(got - ref).max() < TOL * max(1.0, np.abs(ref).max())
+
+
 def session(bundle) -> DecoderSession:
     m = read_manifest(bundle)
     return DecoderSession(bundle / "target.onnx", m.target, ["CPUExecutionProvider"])

@@ -155,10 +155,12 @@ def torch_head(head, model):
     return module.eval()
 
 
-def test_exported_head_computes_what_pytorch_trains(tiny, trained, tmp_path):
+@pytest.mark.parametrize("quant", ["sym", "rot"])
+def test_exported_head_computes_what_pytorch_trains(tiny, trained, tmp_path, quant):
     """The head graph (fed in chunks, as drafting does) equals the PyTorch head, and the
-    target's `hidden` output equals transformers' last_hidden_state; the second unrolled
-    step equals drafting one more token from the head's own state."""
+    target's `hidden` output equals transformers' last_hidden_state (a rotated target's
+    too: it turns its states back into the model's basis); the second unrolled step
+    equals drafting one more token from the head's own state."""
     import torch
 
     from edgespec.bundle import read_manifest
@@ -167,7 +169,7 @@ def test_exported_head_computes_what_pytorch_trains(tiny, trained, tmp_path):
     from edgespec.runtimes import DecoderSession
 
     path, model = tiny
-    export(path, tmp_path / "b", draft=trained, precision="fp32")
+    export(path, tmp_path / "b", draft=trained, precision="fp32", quant=quant)
     m = read_manifest(tmp_path / "b")
     assert m.draft.kind == "eagle"
     target = DecoderSession(tmp_path / "b" / m.target.graph, m.target, ["CPUExecutionProvider"])
@@ -198,6 +200,30 @@ def test_exported_head_computes_what_pytorch_trains(tiny, trained, tmp_path):
         head_session.forward_head(pair_ids[:j + 1], pair_states[:j + 1])
         _, second = head_session.forward_head(ids[j + 2:j + 3], predicted[j:j + 1])
         assert np.abs(second[0] - steps[1][0, j].numpy()).max() < 1e-4
+
+
+@pytest.mark.parametrize("quant", ["sym", "rot"])
+def test_train_data_reads_the_states_a_head_is_trained_on(tiny, tmp_path, quant):
+    """train-draft adds a `hidden` output to an exported target without one: the model's
+    final-norm states (transformers' last_hidden_state), rotated export or not."""
+    import torch
+
+    from edgespec.bundle import read_manifest
+    from edgespec.export import export
+    from edgespec.runtimes import DecoderSession
+    from edgespec.train.data import with_hidden_output
+
+    path, model = tiny
+    export(path, tmp_path / "b", draft="none", precision="fp32", quant=quant)
+    m = read_manifest(tmp_path / "b")
+    (tmp_path / "b" / "hidden.onnx").write_bytes(with_hidden_output(tmp_path / "b" /
+                                                                    m.target.graph))
+    target = DecoderSession(tmp_path / "b" / "hidden.onnx", m.target, ["CPUExecutionProvider"])
+    ids = np.random.default_rng(1).integers(0, 4096, 12)
+    target.forward(ids)
+    with torch.no_grad():
+        states = model.model(torch.from_numpy(ids)[None]).last_hidden_state[0].numpy()
+    assert np.abs(target.features[:12] - states).max() < 1e-4
 
 
 def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):
@@ -281,14 +307,16 @@ def test_fingerprints_recognise_a_model_in_any_precision(demo_target):
     assert not matches(fingerprint(other), trained_on)
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """The registry's SmolLM2 GGUF with the head trained on it."""
+@pytest.fixture(scope="module", params=["k", "rot"])
+def smollm2(request, tmp_path_factory):
+    """The registry's SmolLM2 GGUF with the head trained on it: the default export (the
+    file's codes) and the rotated int8 one (the head reads the target's states in the
+    model's own basis either way)."""
     from edgespec.export import export
     from tests.real_models import smollm2_gguf
 
     out = tmp_path_factory.mktemp("smollm2") / "b"
-    export(smollm2_gguf(), out, draft=REPO_HEAD)
+    export(smollm2_gguf(), out, draft=REPO_HEAD, quant=request.param)
     return out
 
 

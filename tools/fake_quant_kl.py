@@ -15,7 +15,18 @@ tools/kl_vs_reference.py does (chunks of a text, second halves scored). Variants
   s = max|x|^α / max|w|^(1-α), fitted on calibration text;
 - `outliers16` (any count): per-row with that many input channels per linear (the
   largest on calibration text) left in float;
-- `hilo:KIND`: per-row everywhere, but ~16-bit (two int8 codes) for KIND.
+- `hilo:KIND`: per-row everywhere, but ~16-bit (two int8 codes) for KIND;
+- `rotate` / `rotate:B` (QuaRot, arXiv 2404.00456): per-row after orthogonal rotations that
+  an export can fold into the weights: the residual stream by one random orthogonal matrix
+  (the norms' weights folded into the linears that read them), each attention head's
+  values by a Hadamard matrix (folded into v_proj and o_proj), and down_proj's input by a
+  block-diagonal Hadamard of size B (default 64), the one rotation a graph runs online;
+  `rotate:B:KIND` leaves KIND's inputs (`all`: every input) in float;
+- `…:gptq` (any variant, e.g. `rotate:128:gptq`): the same int8 weights (one scale per
+  output channel, codes in [-127, 127]) chosen by GPTQ (edgespec.quant.gptq) instead of
+  round-to-nearest, under each linear's input Hessian on the calibration text as that
+  variant transforms it (divided by the folded norm gain, rotated); `gptq-mse` also
+  searches each channel's clip range, `gptq-noact` quantizes columns in natural order.
 
     python tools/fake_quant_kl.py MODEL.gguf row row:qkv smooth0.5 outliers16
 """
@@ -25,10 +36,14 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
+
+from edgespec.quant.gptq import gptq_int8
 
 KINDS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
          "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
@@ -49,6 +64,31 @@ def per_row(x: torch.Tensor, group: int = 0) -> torch.Tensor:
     return (torch.round(x / scale).clamp(-127, 127) * scale).reshape(shape)
 
 
+def hadamard(n: int) -> torch.Tensor:
+    """Sylvester's orthonormal Hadamard matrix (n a power of two)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return h / n ** 0.5
+
+
+def block_diagonal(block: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.block_diag(*[block] * (n // block.shape[0]))
+
+
+def norm_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The RMSNorm weight each linear's input was scaled by, by the linear's name."""
+    found = {}
+    for name, _ in model.named_modules():
+        layer, _, leaf = name.rpartition(".")
+        if leaf in ("q_proj", "k_proj", "v_proj"):
+            found[name] = model.get_submodule(layer.rpartition(".")[0]).input_layernorm.weight
+        elif leaf in ("gate_proj", "up_proj"):
+            found[name] = model.get_submodule(
+                layer.rpartition(".")[0]).post_attention_layernorm.weight
+    return found
+
+
 def hi_lo(x: torch.Tensor) -> torch.Tensor:
     hi = per_row(x)
     return hi + per_row(x - hi)
@@ -57,24 +97,45 @@ def hi_lo(x: torch.Tensor) -> torch.Tensor:
 class FakeQuant:
     """Hooks that quantize every linear's weight and input as one variant says."""
 
-    def __init__(self, model: torch.nn.Module, calibration: list[int]):
+    def __init__(self, model: torch.nn.Module, calibration: list[int], hessians: bool = False,
+                 window: int = 1024):
         self.model = model
+        head = model.get_output_embeddings()  # untied: its weights are rotated, not the table's
+        head.weight = torch.nn.Parameter(head.weight.data.clone(), requires_grad=False)
         self.linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.weights = {m: m.weight.data.clone() for m in self.linears.values()}
         self.peak: dict[torch.nn.Module, torch.Tensor] = {}
+        self.hessian: dict[torch.nn.Module, torch.Tensor] = {}  # Σ xᵀx of the raw input
+        self.gptq_seconds = 0.0
+        self.norms = norm_weights(model)
+        self.norms[next(n for n in self.linears if kind(n) == "head")] = \
+            model.get_submodule("model.norm").weight
+        d = model.config.hidden_size
+        self.residual = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator()
+                                                    .manual_seed(0)))[0]
+        self.head_dim = getattr(model.config, "head_dim", None) or \
+            d // model.config.num_attention_heads
 
         def record(module: torch.nn.Module, args: tuple) -> None:
             x = args[0].abs().amax((0, 1))
             self.peak[module] = torch.maximum(self.peak.get(module, x), x)
+            if hessians:
+                rows = args[0].reshape(-1, args[0].shape[-1]).double()
+                h = self.hessian.get(module)
+                self.hessian[module] = rows.T @ rows if h is None else h + rows.T @ rows
         hooks = [m.register_forward_pre_hook(record) for m in self.linears.values()]
         with torch.no_grad():
-            model(torch.tensor([calibration]))
+            for i in range(0, len(calibration), window):
+                model(torch.tensor([calibration[i:i + window]]))
         for h in hooks:
             h.remove()
 
     def apply(self, variant: str) -> list:
         """Install the variant's hooks; returns them for removal."""
-        name, _, arg = variant.partition(":")
+        flags = {"gptq", "gptq-mse", "gptq-noact"}
+        parts = variant.split(":")
+        gptq = [p for p in parts if p in flags]
+        name, _, arg = ":".join(p for p in parts if p not in flags).partition(":")
         hooks = []
         for full, module in self.linears.items():
             k = kind(full)
@@ -96,12 +157,43 @@ class FakeQuant:
             elif name.startswith("outliers"):
                 keep = torch.zeros(module.in_features, dtype=torch.bool)
                 keep[torch.topk(self.peak[module], int(name[len("outliers"):])).indices] = True
-            w = self.weights[module] * smooth
-            scale = w.abs().amax(1, keepdim=True) / 127
-            module.weight.data = torch.round(w / scale).clamp(-127, 127) * scale
+            rotation, gain = None, torch.ones(module.in_features)
+            if name == "rotate":
+                block, _, floating = arg.partition(":")
+                if floating in (k, "all"):
+                    quant = None
+                if full in self.norms:
+                    rotation, gain = self.residual, self.norms[full].detach()
+                elif k == "o":
+                    rotation = block_diagonal(hadamard(self.head_dim), module.in_features)
+                elif k == "down":
+                    rotation = block_diagonal(hadamard(int(block or 64)), module.in_features)
+            w = self.weights[module] * smooth * gain
+            if rotation is not None:
+                w = w @ rotation
+            if gptq:
+                # the input this weight multiplies is (x / smooth / gain) @ rotation
+                d = 1 / (smooth * gain).double()
+                h = d[:, None] * self.hessian[module] * d[None, :]
+                if rotation is not None:
+                    r = rotation.double()
+                    h = r.T @ h @ r
+                start = time.perf_counter()
+                codes, scale = gptq_int8(w.numpy(), h.numpy(),
+                                         clip="mse" if "gptq-mse" in gptq else "absmax",
+                                         act_order="gptq-noact" not in gptq)
+                self.gptq_seconds += time.perf_counter() - start
+                module.weight.data = torch.from_numpy(
+                    codes.astype(np.float32) * scale[:, None])
+            else:
+                scale = w.abs().amax(1, keepdim=True) / 127
+                module.weight.data = torch.round(w / scale).clamp(-127, 127) * scale
 
-            def pre(_m, args, quant=quant, smooth=smooth, keep=keep):
-                x = args[0] / smooth
+            def pre(_m, args, quant=quant, smooth=smooth, keep=keep, rotation=rotation,
+                    gain=gain):
+                x = args[0] / smooth / gain
+                if rotation is not None:
+                    x = x @ rotation
                 if quant is None:
                     return (x,)
                 if keep is None:
@@ -128,7 +220,11 @@ def main() -> None:
     ap.add_argument("model", type=Path, help="a GGUF file or a checkpoint directory")
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--text", type=Path, default=Path(argparse.__file__))
-    ap.add_argument("--calibration", type=Path, default=Path(inspect.getfile(json.decoder)))
+    ap.add_argument("--calibration", type=Path, nargs="+",
+                    default=[Path(inspect.getfile(json.decoder))],
+                    help="text files, concatenated (never the evaluation --text)")
+    ap.add_argument("--calibration-tokens", type=int, default=1024,
+                    help="how many calibration tokens, run in windows of 1024")
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
     a = ap.parse_args()
@@ -143,9 +239,14 @@ def main() -> None:
     step = max(a.tokens, (len(ids) - a.tokens) // a.chunks)
     chunks = [ids[i:i + a.tokens] for i in range(0, len(ids) - a.tokens, step)][:a.chunks]
     reference = logprobs(model, chunks)
-    fq = FakeQuant(model, tok(a.calibration.read_text())["input_ids"][:1024])
+    if any(a.text.resolve() == c.resolve() for c in a.calibration):
+        ap.error("calibrating on the evaluation text would flatter every variant")
+    calibration = tok("\n".join(c.read_text() for c in a.calibration))["input_ids"]
+    fq = FakeQuant(model, calibration[:a.calibration_tokens],
+                   hessians=any("gptq" in v for v in a.variants))
     report = {}
     for variant in a.variants:
+        fq.gptq_seconds = 0.0
         hooks = fq.apply(variant)
         got = logprobs(model, chunks)
         fq.restore(hooks)
@@ -154,6 +255,8 @@ def main() -> None:
                                                                        strict=True)])
         report[variant] = {"kl": round(float(kl.mean()), 5),
                            "top1": round(float(top1.double().mean()), 4)}
+        if fq.gptq_seconds:
+            report[variant]["gptq_s"] = round(fq.gptq_seconds, 1)
         print(json.dumps({variant: report[variant]}), flush=True)
 
 

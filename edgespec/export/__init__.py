@@ -33,6 +33,7 @@ from edgespec.export.draft_head import (
 from edgespec.export.graph import build_decoder, kv_head_dim, rows_of
 from edgespec.export.kv_quant import calibrate_target, kv_scales
 from edgespec.export.requant import Requantizer
+from edgespec.export.rotation import rotate
 from edgespec.export.shared_data import share_weights
 from edgespec.export.source import Source, open_source
 from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
@@ -121,26 +122,33 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
         layers = requant.layers()
     else:
         embeddings, head, layers = adapter.embeddings(), adapter.lm_head(), adapter.layers()
+    final_norm, rotated = adapter.final_norm(), None
+    if quant == "rot":
+        progress.update(task, description=f"{role}: rotating")
+        rotated = rotate(spec, embeddings, list(layers), final_norm, head)
+        embeddings, head, layers = rotated.embeddings, rotated.lm_head, rotated.layers
+        final_norm = np.ones_like(final_norm)
     if head_rows is not None:
         head = head.rows(head_rows) if isinstance(head, QuantizedWeight) else head[head_rows]
-    model = build_decoder(spec, embeddings, layers, adapter.final_norm(),
-                          head, precision, block_size, accuracy_level,
+    model = build_decoder(spec, embeddings, layers, final_norm, head, precision, block_size,
+                          accuracy_level,
                           dtype=PROFILE_DTYPE[ep_profile], attention=attention,
                           symmetric=quant != "asym", nested=nested,
                           draft_head_rows=draft_head_rows, kv_scales=kv_scales,
                           on_layer=lambda i: progress.advance(task),
-                          hidden_output=hidden_output)
+                          hidden_output=hidden_output, rotation=rotated)
     if stats:
         add_stat_outputs(model)
     progress.update(task, description=f"{role}: writing {role}.onnx")
     _save(model, out, role)
     progress.update(task, completed=spec.num_layers + 1, description=f"{role}: done")
-    if getattr(ckpt, "keep_codes", False) and ckpt.quantized and not nested:
+    if getattr(ckpt, "keep_codes", False) and ckpt.quantized and not nested and not rotated:
         precision = "gguf"  # every quantized tensor kept its own GGUF type
     return ModelEntry(
         graph=f"{role}.onnx", data_files=[f"{role}.onnx.data"],
         architecture=spec.architecture, precision=precision,
-        block_size=None if precision in ("fp32", "fp16", "gguf") or recipe else block_size,
+        block_size=(None if precision in ("fp32", "fp16", "gguf") or recipe or rotated
+                    else block_size),
         kv_dtype="int8" if kv_scales is not None else np.dtype(PROFILE_DTYPE[ep_profile]).name,
         compute_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
         vocab_size=rows_of(head), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
@@ -306,8 +314,12 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         raise EdgespecError("the dml profile supports fp32, fp16 and int4 weights (DirectML's "
                             "MatMulNBits needs zero points, which 8-bit codes cannot carry, "
                             "and has no 2-bit kernel).")
-    if quant not in ("k", "sym", "asym"):
-        raise EdgespecError(f"quantization '{quant}' is none of k, sym, asym.")
+    if quant not in ("k", "sym", "asym", "rot"):
+        raise EdgespecError(f"quantization '{quant}' is none of k, sym, asym, rot.")
+    if quant == "rot" and ({precision, draft_precision} - {"int8", "fp32"}
+                           or ep_profile != "cpu" or draft == "nested"):
+        raise EdgespecError("--quant rot (rotated weights, the exact int8 GEMM) exports int8 "
+                            "or fp32 for the cpu profile, without --draft nested.")
     if calibration not in (None, "self") and not Path(calibration).is_file():
         raise EdgespecError(f"the calibration text {calibration} is not a file; pass a text "
                             "file, 'self' (the model's own generations) or 'none'.")
@@ -364,10 +376,11 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
         with write_bundle(out, overwrite) as (tmp, finish), Progress(
                 *columns, console=console, transient=True) as progress:
             importance = reference = None
-            if floats and uses_recipe(quant, precision, ep_profile, nested):
+            if (floats and uses_recipe(quant, precision, ep_profile, nested)
+                    or quant == "rot" and precision != "fp32"):
                 reference = _export_model(target_src, "reference", tmp, "fp32", 32, 0, "cpu",
                                           "sym", progress, stats=True)
-            if reference and calibration:
+            if reference and calibration and uses_recipe(quant, precision, ep_profile, nested):
                 importance = _importance(tmp, reference, target_src, calibration, progress)
             target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, quant, progress,

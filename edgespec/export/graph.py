@@ -21,8 +21,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from edgespec.export import exact_attention
+from edgespec.export import exact_attention, linear_ops
 from edgespec.export.architectures import DecoderSpec, LayerWeights, Weight
+from edgespec.export.rotation import Rotated
 from edgespec.quant.bitnest import NestedWeight, nest
 from edgespec.quant.blockwise import (
     QuantizedWeight,
@@ -104,6 +105,7 @@ class GraphBuilder:
         self._once: dict[str, str] = {}  # tensors computed once per graph (see once)
         self.gate: tuple[str, str] = ("", "")  # BitNest: see gate_residuals
         self.pack_six = False  # see small_ints
+        self.rowwise = False  # float weights as linear_ops.rowwise_int8 (a rotated export)
         self._six: list[tuple[str, np.ndarray]] = []
 
     def const(self, name: str, array: np.ndarray) -> str:
@@ -131,6 +133,8 @@ class GraphBuilder:
         as in every int4 export, a 4-bit head costs more acceptance than it saves).
         An imported encoding (GGUF) is used as it is, under the constant names `store`
         (a tied embedding and head share them)."""
+        if self.rowwise:
+            return linear_ops.rowwise_int8(self, x, weight, name, store)
         if isinstance(weight, QuantizedWeight):
             if not self.nested:
                 return self._nbits(x, weight, name, store)
@@ -586,7 +590,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                   draft_head_rows: np.ndarray | None = None,
                   kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
                   on_layer: Callable[[int], None] | None = None, hidden_output: bool = False,
-                  fusion: Weight | None = None) -> onnx.ModelProto:
+                  fusion: Weight | None = None,
+                  rotation: Rotated | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
     Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
@@ -601,11 +606,14 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     `hidden_output` adds the final-norm states as output `hidden` [1,S,d] (what an EAGLE
     draft head reads); `fusion` ([d, 2d]) makes the graph such a head: input `hidden_in`
     [1,S,d] is joined to the token embeddings and projected back to d before the layers
-    (edgespec.export.draft_head).
+    (edgespec.export.draft_head). `rotation` (export.rotation): the weights given are
+    rotated ones; the graph runs down_proj's input rotation and the head's input matrix,
+    and an int8 graph computes every linear as the exact row-quantized integer GEMM.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
     g.pack_six = True
+    g.rowwise = rotation is not None and precision == "int8"
     tied = embeddings is lm_head
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew
         embeddings, lm_head = as_float(embeddings), as_float(lm_head)
@@ -640,7 +648,9 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
             outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", kv_type,
                                                          present_shape))
 
-    if isinstance(embeddings, QuantizedWeight):
+    if g.rowwise and tied:
+        x = linear_ops.gather_rowwise(g, lm_head, "input_ids", "lm_head")
+    elif isinstance(embeddings, QuantizedWeight):
         x = g.gather_rows(embeddings, "input_ids", "lm_head" if tied else "embed")
         if g.dtype != np.float32:
             x = g.node("Cast", [x], ["embed.out"], "embed.cast", to=g.onnx_dtype)[0]
@@ -767,6 +777,9 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
             sig = g.node("Sigmoid", [gate], [f"{p}.sig"], f"{p}.sig")[0]
             act = g.node("Mul", [gate, sig], [f"{p}.silu"], f"{p}.silu")[0]
         act = g.node("Mul", [act, up], [f"{p}.act"], f"{p}.act")[0]
+        if rotation is not None:
+            act = linear_ops.rotate_blocks(g, act, rotation.down_block,
+                                           spec.intermediate_size, f"{p}.down.rotate")
         delta = g.linear(act, lw.down, f"{p}.down")
         if lw.mlp_out_norm is not None:
             delta = rms(delta, lw.mlp_out_norm, f"{p}.mlp_out_norm")
@@ -776,7 +789,13 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     h, _, _, _ = g.node("SkipSimplifiedLayerNormalization",
                         [resid, delta, g.fconst("final_norm", final_norm)],
                         ["final.norm", "", "", ""], "final.norm", domain=MS, epsilon=eps)
-    if hidden_output:
+    if rotation is not None:  # the rotated, weightless norm's output -> the head's input
+        h = g.node("MatMul", [h, g.fconst("head_input", rotation.head_input)],
+                   ["final.head_input"], "final.head_input")[0]
+        if hidden_output:  # in the model's own basis, as a draft head was trained on it
+            g.node("MatMul", [h, g.fconst("unrotate", rotation.unrotate)], ["hidden"],
+                   "hidden")
+    elif hidden_output:
         g.node("Cast", [h], ["hidden"], "hidden", to=TensorProto.FLOAT)
     head_bits = 8 if precision in BITS else None
     if draft_head_rows is not None:

@@ -66,3 +66,35 @@ def rowwise_int8(g: GraphBuilder, x: str, weight: np.ndarray, name: str,
                   [xq, g.const(f"{store}.rowcodes", codes), peak,
                    g.fconst(f"{store}.colscale", scale / 127.0), zp, zp],
                   [f"{name}.out"], name, domain=MS)[0]
+
+
+def gather_rowwise(g: GraphBuilder, weight: np.ndarray, ids: str, store: str) -> str:
+    """Embedding rows [1, S, K] from a tied head's `rowwise_int8` codes (stored once):
+    columns `ids` of its [K, N] codes, times their column scales."""
+    codes, scale = quantize_rows_u8(weight)
+    cols = g.node("Gather", [g.const(f"{store}.rowcodes", codes), ids], [f"{store}.cols"],
+                  f"{store}.cols", axis=1)[0]  # [K, 1, S]
+    rows = g.node("Transpose", [cols], [f"{store}.rows"], f"{store}.rows", perm=[1, 2, 0])[0]
+    rows = g.node("Cast", [rows], [f"{store}.rows.f"], f"{store}.rows.f", to=1)[0]
+    centred = g.node("Sub", [rows, g.fconst("linear.zp.f", 128.0)], [f"{store}.rows.c"],
+                     f"{store}.rows.c")[0]
+    col = g.node("Gather", [g.fconst(f"{store}.colscale", scale / 127.0), ids],
+                 [f"{store}.rows.s"], f"{store}.rows.s")[0]
+    col = g.node("Unsqueeze", [col, g.const("linear.last", np.array([-1], np.int64))],
+                 [f"{store}.rows.su"], f"{store}.rows.su")[0]
+    unit = g.node("Mul", [centred, col], [f"{store}.rows.u"], f"{store}.rows.u")[0]
+    return g.node("Mul", [unit, g.fconst("linear.127", 127.0)], [f"{store}.rows.out"],
+                  f"{store}.rows.out")[0]
+
+
+def rotate_blocks(g: GraphBuilder, x: str, block: np.ndarray, width: int, name: str) -> str:
+    """x [1, S, n] times a block-diagonal matrix of `block` [B, B] (a Hadamard matrix):
+    one float MatMul over the S·n/B blocks, the same for every row whatever S is."""
+    b = block.shape[0]
+    split = g.node("Reshape", [x, g.const(f"blocks.{b}", np.array([1, -1, b], np.int64))],
+                   [f"{name}.blocks"], f"{name}.blocks")[0]
+    turned = g.node("MatMul", [split, g.fconst(f"rotation.{b}", block)], [f"{name}.turned"],
+                    name)[0]
+    return g.node("Reshape", [turned, g.const(f"rows.{width}", np.array([1, -1, width],
+                                                                       np.int64))],
+                  [f"{name}.out"], f"{name}.merge")[0]
