@@ -202,10 +202,9 @@ def test_exported_head_computes_what_pytorch_trains(tiny, trained, tmp_path, qua
         assert np.abs(second[0] - steps[1][0, j].numpy()).max() < 1e-4
 
 
-@pytest.mark.parametrize("quant", ["sym", "rot"])
-def test_train_data_reads_the_states_a_head_is_trained_on(tiny, tmp_path, quant):
-    """train-draft adds a `hidden` output to an exported target without one: the model's
-    final-norm states (transformers' last_hidden_state), rotated export or not."""
+def test_train_data_reads_the_states_a_head_is_trained_on(tiny, tmp_path):
+    """train-draft adds a `hidden` output to the exported target: the model's final-norm
+    states (transformers' last_hidden_state)."""
     import torch
 
     from edgespec.bundle import read_manifest
@@ -214,7 +213,7 @@ def test_train_data_reads_the_states_a_head_is_trained_on(tiny, tmp_path, quant)
     from edgespec.train.data import with_hidden_output
 
     path, model = tiny
-    export(path, tmp_path / "b", draft="none", precision="fp32", quant=quant)
+    export(path, tmp_path / "b", draft="none", precision="fp32")
     m = read_manifest(tmp_path / "b")
     (tmp_path / "b" / "hidden.onnx").write_bytes(with_hidden_output(tmp_path / "b" /
                                                                     m.target.graph))

@@ -159,22 +159,6 @@ def test_tree_bias_verifies_branches_in_one_pass(fp32_bundle, demo_target):
     assert np.abs(got[2] - via_c[past + 1]).max() < FP32_TOL
 
 
-def test_compacting_a_verified_tree_path(fp32_bundle, demo_target):
-    """After a tree pass, keeping path a -> c makes the cache equal to decoding it."""
-    model = torch_model(demo_target)
-    prefix, a, b, c, nxt = [0, 17, 300, 41, 9], 77, 123, 555, 31
-    sess = session(fp32_bundle)
-    sess.forward(prefix)
-    past = len(prefix)
-    bias = np.zeros((1, 1, 3, past + 3), np.float32)
-    bias[0, 0, 2, past + 1] = NEG_INF
-    sess.forward([a, b, c], positions=np.array([past, past + 1, past + 1]), bias=bias)
-    sess.cache.compact(past + 1, [past + 2])  # keep a (already in place), then c
-    got = sess.forward([nxt])
-    want = torch_logits(model, prefix + [a, c, nxt])[-1]
-    assert np.abs(got[0] - want).max() < FP32_TOL
-
-
 def test_cache_trim_rolls_back(fp32_bundle, demo_target):
     ids = [0, 5, 6, 7, 8, 9]
     ref = torch_logits(torch_model(demo_target), ids + [42])

@@ -16,7 +16,7 @@ import onnxruntime as ort
 
 from edgespec.bundle import ModelEntry
 from edgespec.errors import EdgespecError
-from edgespec.runtimes.providers import PROVIDER, check_session
+from edgespec.runtimes.providers import check_session
 
 NEG_INF = np.finfo(np.float32).min
 
@@ -43,10 +43,8 @@ class KVCache:
                 (ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda"),
                  ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, "cuda"))
                 for _ in self.layers]
-            self.mover: KVMover | None = None
         else:
-            # CPU OrtValues wrapping numpy arrays share their memory, so the cache can be
-            # edited in place from numpy (compacting a verified tree path, for one)
+            # CPU OrtValues wrapping numpy arrays share their memory: the arrays are the cache
             self.arrays = [(np.zeros(shape, dtype), np.zeros(shape, dtype))
                            for _ in self.layers]
             self.buffers = [(ort.OrtValue.ortvalue_from_numpy(k),
@@ -60,21 +58,6 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
-
-    def compact(self, start: int, slots: list[int]) -> None:
-        """Move the entries at `slots` to start, start+1, ... and cut the cache there
-        (the verified path of a token tree, made contiguous again)."""
-        if list(slots) == list(range(start, start + len(slots))):
-            pass  # already in place
-        elif hasattr(self, "arrays"):
-            for k, v in self.arrays:
-                k[:, :, start:start + len(slots)] = k[:, :, slots]
-                v[:, :, start:start + len(slots)] = v[:, :, slots]
-        else:
-            self.mover = self.mover or KVMover(2 * len(self.buffers), self.dtype,
-                                               self.device)
-            self.mover.move(self.buffers, start, slots)
-        self.length = start + len(slots)
 
     def bind(self, binding: ort.IOBinding) -> None:
         for i, (k, v) in zip(self.layers, self.buffers, strict=True):
@@ -116,51 +99,6 @@ class SharedKVCache(KVCache):
     def reset(self) -> None:
         self._length = 0
 
-    def compact(self, start: int, slots: list[int]) -> None:
-        raise EdgespecError("a draft sharing the target's KV cache cannot compact it.")
-
-
-class KVMover:
-    """Compacts KV buffers that live on a device, in place: one small graph gathers the
-    accepted slots and scatters them into the buffer it was bound to as input and output,
-    so a verified tree path is made contiguous without a round trip through the host."""
-
-    def __init__(self, tensors: int, dtype: np.dtype, device: str):
-        from onnx import TensorProto, helper  # only device caches compact through a graph
-
-        elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-        kv_shape = [1, "kv_heads", "max_length", "head_dim"]
-        inputs = [helper.make_tensor_value_info(n, TensorProto.INT64, ["n"])
-                  for n in ("src", "dst")]
-        outputs = []
-        nodes = [helper.make_node("Constant", [], ["shape4"], value=helper.make_tensor(
-                     "shape4", TensorProto.INT64, [4], [1, 1, -1, 1])),
-                 helper.make_node("Reshape", ["dst", "shape4"], ["dst4"])]
-        for j in range(tensors):
-            inputs.append(helper.make_tensor_value_info(f"kv_{j}", elem, kv_shape))
-            outputs.append(helper.make_tensor_value_info(f"out_{j}", elem, kv_shape))
-            nodes.append(helper.make_node("Gather", [f"kv_{j}", "src"], [f"upd_{j}"], axis=2))
-            if j == 0:
-                nodes += [helper.make_node("Shape", ["upd_0"], ["upd_shape"]),
-                          helper.make_node("Expand", ["dst4", "upd_shape"], ["index"])]
-            nodes.append(helper.make_node("ScatterElements", [f"kv_{j}", "index", f"upd_{j}"],
-                                          [f"out_{j}"], axis=2))
-        model = helper.make_model(helper.make_graph(nodes, "kv-mover", inputs, outputs),
-                                  opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-        providers = [PROVIDER[device]] + ([PROVIDER["cpu"]] if device != "cpu" else [])
-        self.session = ort.InferenceSession(model.SerializeToString(), providers=providers)
-        self.device = device
-
-    def move(self, buffers: list[tuple[ort.OrtValue, ort.OrtValue]], start: int,
-             slots: list[int]) -> None:
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("src", np.asarray(slots, dtype=np.int64))
-        binding.bind_cpu_input("dst", np.arange(start, start + len(slots), dtype=np.int64))
-        for j, value in enumerate(t for pair in buffers for t in pair):
-            binding.bind_ortvalue_input(f"kv_{j}", value)
-            binding.bind_ortvalue_output(f"out_{j}", value)
-        self.session.run_with_iobinding(binding)
-
 
 class ConcatKVCache(KVCache):
     """The DirectML layout: present = concat(past, new), one tensor per step.
@@ -185,16 +123,6 @@ class ConcatKVCache(KVCache):
 
     def bind(self, binding: ort.IOBinding) -> None:
         self.before_run(binding)
-
-    def compact(self, start: int, slots: list[int]) -> None:
-        moved = []
-        keep = list(range(start)) + list(slots)
-        for k, v in self.values:
-            k, v = k.numpy(), v.numpy()
-            moved.append(tuple(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(
-                t[:, :, keep])) for t in (k, v)))
-        self.values = moved
-        self.length = start + len(slots)
 
     def before_run(self, binding: ort.IOBinding) -> None:
         stored = self.values[0][0].shape()[2]

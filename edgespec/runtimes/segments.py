@@ -213,10 +213,6 @@ class SegmentCache:
         for part in self.parts:
             part.reset()
 
-    def compact(self, start: int, slots: list[int]) -> None:
-        for part in self.parts:
-            part.compact(start, slots)
-
 
 class SegmentedDecoder:
     """The target as a chain of segment sessions; drives like a DecoderSession.

@@ -26,9 +26,6 @@ class Cache(Protocol):
 
     def reset(self) -> None: ...
 
-    def compact(self, start: int, slots: list[int]) -> None:
-        """Move the entries at `slots` to start, start+1, ... and cut the cache there."""
-
 
 class Model(Protocol):
     """A decoder that appends `ids` after its cached prefix and returns their logits.

@@ -53,11 +53,8 @@ def with_hidden_output(path: Path) -> bytes:
 
     model = onnx.load(str(path), load_external_data=False)
     if not any(o.name == "hidden" for o in model.graph.output):
-        rotated = any(t.name == "unrotate" for t in model.graph.initializer)  # --quant rot
-        model.graph.node.append(
-            helper.make_node("MatMul", ["final.head_input", "unrotate"], ["hidden"])
-            if rotated else helper.make_node("Cast", ["final.norm"], ["hidden"],
-                                             to=TensorProto.FLOAT))
+        model.graph.node.append(helper.make_node("Cast", ["final.norm"], ["hidden"],
+                                                 to=TensorProto.FLOAT))
         model.graph.output.append(helper.make_tensor_value_info(
             "hidden", TensorProto.FLOAT, [1, "sequence", "hidden"]))
     return model.SerializeToString()
