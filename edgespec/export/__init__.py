@@ -95,10 +95,12 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                   kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
                   hidden_output: bool = False,
                   importance: dict[str, np.ndarray] | None = None,
-                  stats: bool = False) -> ModelEntry:
+                  stats: str | None = None,
+                  hessians: dict[str, np.ndarray] | None = None) -> ModelEntry:
     """One model's graph and weights at `out/role.onnx`. `quant`: "k" (the GGUF recipe
-    where it applies, its error weighted by `importance`, see calibrate), "sym" or
-    "asym"; `stats` adds calibrate's statistics outputs (for the float graph)."""
+    where it applies, its error weighted by `importance`, see calibrate), "sym", "asym"
+    or "rot" (rotated, GPTQ codes where `hessians` has the input's XᵀX); `stats` adds
+    calibrate's statistics outputs to a float graph ("squares", or "gram" for XᵀX)."""
     task = progress.add_task(f"{role}: loading {source.label}", total=None)
     ckpt = source.load()
     adapter = adapter_for(ckpt)
@@ -136,9 +138,9 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                           symmetric=quant != "asym", nested=nested,
                           draft_head_rows=draft_head_rows, kv_scales=kv_scales,
                           on_layer=lambda i: progress.advance(task),
-                          hidden_output=hidden_output, rotation=rotated)
+                          hidden_output=hidden_output, rotation=rotated, hessians=hessians)
     if stats:
-        add_stat_outputs(model)
+        add_stat_outputs(model, gram=stats == "gram")
     progress.update(task, description=f"{role}: writing {role}.onnx")
     _save(model, out, role)
     progress.update(task, completed=spec.num_layers + 1, description=f"{role}: done")
@@ -218,6 +220,19 @@ def _importance(tmp: Path, reference: ModelEntry, source: Source, calibration: s
                           advance=lambda: progress.advance(task))
     finally:
         progress.update(task, visible=False)
+
+
+def _hessians(tmp: Path, source: Source, calibration: str | Path,
+              progress: Progress) -> dict[str, np.ndarray]:
+    """XᵀX of every linear's input in the rotated float model (the inputs the rotated
+    int8 weights multiply), for GPTQ; the calibration graph is removed afterwards."""
+    graph = _export_model(source, "calibration", tmp, "fp32", 32, 0, "cpu", "rot", progress,
+                          stats="gram")
+    try:
+        return _importance(tmp, graph, source, calibration, progress)
+    finally:
+        for name in (graph.graph, *graph.data_files):
+            (tmp / name).unlink(missing_ok=True)
 
 
 def _quality(tmp: Path, target: ModelEntry, reference: ModelEntry, ep_profile: str,
@@ -379,14 +394,17 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             if (floats and uses_recipe(quant, precision, ep_profile, nested)
                     or quant == "rot" and precision != "fp32"):
                 reference = _export_model(target_src, "reference", tmp, "fp32", 32, 0, "cpu",
-                                          "sym", progress, stats=True)
+                                          "sym", progress, stats="squares")
             if reference and calibration and uses_recipe(quant, precision, ep_profile, nested):
                 importance = _importance(tmp, reference, target_src, calibration, progress)
+            hessians = None
+            if quant == "rot" and precision == "int8" and calibration:
+                hessians = _hessians(tmp, target_src, calibration, progress)
             target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, quant, progress,
                                          importance=importance,
                                          nested="shared" if nested else None,
-                                         hidden_output=head is not None)
+                                         hidden_output=head is not None, hessians=hessians)
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
                     if (draft_src or nested) and vocab_trim else None)
@@ -406,7 +424,8 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                                              nested="shared" if nested else None,
                                              draft_head_rows=kept if nested else None,
                                              kv_scales=target_scales,
-                                             hidden_output=head is not None)
+                                             hidden_output=head is not None,
+                                             hessians=hessians)
             quality = None
             if reference:
                 quality = _quality(tmp, target_entry, reference, ep_profile, target_dir,

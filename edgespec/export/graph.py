@@ -106,6 +106,7 @@ class GraphBuilder:
         self.gate: tuple[str, str] = ("", "")  # BitNest: see gate_residuals
         self.pack_six = False  # see small_ints
         self.rowwise = False  # float weights as linear_ops.rowwise_int8 (a rotated export)
+        self.hessians: dict[str, np.ndarray] = {}  # rowwise weights' inputs' XᵀX, for GPTQ
         self._six: list[tuple[str, np.ndarray]] = []
 
     def const(self, name: str, array: np.ndarray) -> str:
@@ -591,7 +592,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                   kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
                   on_layer: Callable[[int], None] | None = None, hidden_output: bool = False,
                   fusion: Weight | None = None,
-                  rotation: Rotated | None = None) -> onnx.ModelProto:
+                  rotation: Rotated | None = None,
+                  hessians: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
     Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
@@ -608,12 +610,14 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     [1,S,d] is joined to the token embeddings and projected back to d before the layers
     (edgespec.export.draft_head). `rotation` (export.rotation): the weights given are
     rotated ones; the graph runs down_proj's input rotation and the head's input matrix,
-    and an int8 graph computes every linear as the exact row-quantized integer GEMM.
+    and an int8 graph computes every linear as the exact row-quantized integer GEMM, its
+    codes chosen by GPTQ where `hessians` (calibrate, by node name) has the input's XᵀX.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
     g.pack_six = True
     g.rowwise = rotation is not None and precision == "int8"
+    g.hessians = hessians or {}
     tied = embeddings is lm_head
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew
         embeddings, lm_head = as_float(embeddings), as_float(lm_head)

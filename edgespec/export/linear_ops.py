@@ -54,32 +54,48 @@ def row_scale(g: GraphBuilder, x: str, name: str) -> tuple[str, str]:
     return codes, peak
 
 
+def weight_codes(g: GraphBuilder, weight: np.ndarray, store: str) -> tuple[str, str]:
+    """The constants of a weight's int8 codes [K, N] (uint8, q + 128) and column scales
+    (scale / 127), made once per `store` (a tied head and the embedding share them):
+    GPTQ's codes where calibration measured the weight's input (`g.hessians`, by node
+    name), else round-to-nearest."""
+    def make() -> str:
+        hessian = g.hessians.get(store)
+        if hessian is None:
+            codes, scale = quantize_rows_u8(weight)
+        else:
+            from edgespec.quant.gptq import gptq_int8
+
+            q, scale = gptq_int8(np.asarray(weight, np.float32), hessian)
+            codes = np.ascontiguousarray((q.astype(np.int16) + 128).astype(np.uint8).T)
+        g.fconst(f"{store}.colscale", scale / 127.0)
+        return g.const(f"{store}.rowcodes", codes)
+
+    return g.once(f"{store}.rowcodes", make), f"{store}.colscale"
+
+
 def rowwise_int8(g: GraphBuilder, x: str, weight: np.ndarray, name: str,
                  store: str | None = None) -> str:
     """y = x @ weight.T as an exact integer GEMM: per-row int8 activations, per-channel
     int8 weights, MatMulIntegerToFloat applying the row scale and the column scale."""
-    store = store or name
-    codes, scale = quantize_rows_u8(weight)
+    codes, scale = weight_codes(g, weight, store or name)
     xq, peak = row_scale(g, x, name)
     zp = g.const("linear.zp", np.array(128, np.uint8))
-    return g.node("MatMulIntegerToFloat",
-                  [xq, g.const(f"{store}.rowcodes", codes), peak,
-                   g.fconst(f"{store}.colscale", scale / 127.0), zp, zp],
+    return g.node("MatMulIntegerToFloat", [xq, codes, peak, scale, zp, zp],
                   [f"{name}.out"], name, domain=MS)[0]
 
 
 def gather_rowwise(g: GraphBuilder, weight: np.ndarray, ids: str, store: str) -> str:
     """Embedding rows [1, S, K] from a tied head's `rowwise_int8` codes (stored once):
     columns `ids` of its [K, N] codes, times their column scales."""
-    codes, scale = quantize_rows_u8(weight)
-    cols = g.node("Gather", [g.const(f"{store}.rowcodes", codes), ids], [f"{store}.cols"],
-                  f"{store}.cols", axis=1)[0]  # [K, 1, S]
+    codes, scale = weight_codes(g, weight, store)
+    cols = g.node("Gather", [codes, ids], [f"{store}.cols"], f"{store}.cols",
+                  axis=1)[0]  # [K, 1, S]
     rows = g.node("Transpose", [cols], [f"{store}.rows"], f"{store}.rows", perm=[1, 2, 0])[0]
     rows = g.node("Cast", [rows], [f"{store}.rows.f"], f"{store}.rows.f", to=1)[0]
     centred = g.node("Sub", [rows, g.fconst("linear.zp.f", 128.0)], [f"{store}.rows.c"],
                      f"{store}.rows.c")[0]
-    col = g.node("Gather", [g.fconst(f"{store}.colscale", scale / 127.0), ids],
-                 [f"{store}.rows.s"], f"{store}.rows.s")[0]
+    col = g.node("Gather", [scale, ids], [f"{store}.rows.s"], f"{store}.rows.s")[0]
     col = g.node("Unsqueeze", [col, g.const("linear.last", np.array([-1], np.int64))],
                  [f"{store}.rows.su"], f"{store}.rows.su")[0]
     unit = g.node("Mul", [centred, col], [f"{store}.rows.u"], f"{store}.rows.u")[0]

@@ -92,7 +92,7 @@ def peers(args: argparse.Namespace, engine: Any) -> tuple[dict[str, Any], list[A
 
 
 def race(args: argparse.Namespace) -> dict[str, Any]:
-    engine = edgespec.load(resolve_model(args.model), threads=args.threads)
+    engine = edgespec.load(args.bundle or resolve_model(args.model), threads=args.threads)
     tok = engine.tokenizer
     prompts = [Prompt(p["messages"], tok.apply_chat_template(p["messages"]),
                       tok.encode_chat(p["messages"]))
@@ -188,6 +188,8 @@ def print_report(report: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, required=True, help="a .gguf file")
+    ap.add_argument("--bundle", type=Path, help="edgespec's side: a bundle exported from "
+                    "MODEL (default: MODEL's default export), e.g. with --quant rot")
     ap.add_argument("--prompts", type=int, default=8, help="held-out chat prompts")
     ap.add_argument("--new", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--threads", type=int, default=2)
