@@ -123,6 +123,16 @@ def test_export_refuses_existing_output(tmp_path, demo_target):
                       "already exists")
 
 
+@pytest.mark.parametrize("flags", [["--precision", "int4"], ["--ep-profile", "cuda"],
+                                   ["--draft", "nested"]])
+def test_export_quant_rot_refuses_what_it_cannot_build(tmp_path, demo_target, flags):
+    """--quant rot is int8 (or fp32) on the cpu profile: anything else is one sentence,
+    and nothing is written."""
+    assert_user_error(run("export", str(demo_target), "--out", str(tmp_path / "b"),
+                          "--quant", "rot", *flags), "--quant rot")
+    assert not (tmp_path / "b").exists()
+
+
 def test_export_then_generate(tmp_path, demo_target, demo_draft):
     out = run("export", str(demo_target), "--draft", str(demo_draft), "--out",
               str(tmp_path / "b"), "--precision", "int4", "--draft-precision", "int8",
