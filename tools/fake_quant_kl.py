@@ -43,6 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edgespec.export.rotation import block_diagonal, hadamard
 from edgespec.quant.gptq import gptq_int8
 
 KINDS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
@@ -64,16 +65,9 @@ def per_row(x: torch.Tensor, group: int = 0) -> torch.Tensor:
     return (torch.round(x / scale).clamp(-127, 127) * scale).reshape(shape)
 
 
-def hadamard(n: int) -> torch.Tensor:
-    """Sylvester's orthonormal Hadamard matrix (n a power of two)."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / n ** 0.5
-
-
-def block_diagonal(block: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.block_diag(*[block] * (n // block.shape[0]))
+def block_hadamard(block: int, n: int) -> torch.Tensor:
+    """The exporter's block-diagonal Hadamard matrix (edgespec.export.rotation)."""
+    return torch.from_numpy(block_diagonal(hadamard(block), n)).float()
 
 
 def norm_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -165,9 +159,9 @@ class FakeQuant:
                 if full in self.norms:
                     rotation, gain = self.residual, self.norms[full].detach()
                 elif k == "o":
-                    rotation = block_diagonal(hadamard(self.head_dim), module.in_features)
+                    rotation = block_hadamard(self.head_dim, module.in_features)
                 elif k == "down":
-                    rotation = block_diagonal(hadamard(int(block or 64)), module.in_features)
+                    rotation = block_hadamard(int(block or 64), module.in_features)
             w = self.weights[module] * smooth * gain
             if rotation is not None:
                 w = w @ rotation

@@ -16,6 +16,7 @@ length from the total length, which the graph reads off the bias' last dimension
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -23,7 +24,6 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgespec.export import exact_attention, linear_ops
 from edgespec.export.architectures import DecoderSpec, LayerWeights, Weight
-from edgespec.export.rotation import Rotated
 from edgespec.quant.bitnest import NestedWeight, nest
 from edgespec.quant.blockwise import (
     QuantizedWeight,
@@ -35,6 +35,9 @@ from edgespec.quant.blockwise import (
 
 OPSET = 21
 MS = "com.microsoft"
+if TYPE_CHECKING:  # rotation reads this module's as_float
+    from edgespec.export.rotation import Rotated
+
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import DecoderSpec, LayerWeights, Weight
-from edgespec.quant.blockwise import QuantizedWeight, dequantize
+from edgespec.export.graph import as_float
 
 
 @dataclass
@@ -66,20 +66,14 @@ def block_size_for(n: int, largest: int = 128) -> int:
 
 
 def block_diagonal(block: np.ndarray, n: int) -> np.ndarray:
-    b = block.shape[0]
-    out = np.zeros((n, n))
-    for i in range(0, n, b):
-        out[i:i + b, i:i + b] = block
-    return out
+    return np.kron(np.eye(n // block.shape[0]), block)
 
 
 def as_float64(weight: Weight | list[Weight]) -> np.ndarray:
     """Float values of a weight, an imported encoding (GGUF codes, requantized after the
     rotation) or unfused parts."""
-    if isinstance(weight, list):
-        return np.concatenate([as_float64(w) for w in weight])
-    return (dequantize(weight) if isinstance(weight, QuantizedWeight) else weight).astype(
-        np.float64)
+    parts = weight if isinstance(weight, list) else [weight]
+    return np.concatenate([as_float(w).astype(np.float64) for w in parts])
 
 
 def rotate(spec: DecoderSpec, embeddings: Weight, layers: list[LayerWeights],

@@ -107,23 +107,20 @@ def _slice_head(model: onnx.ModelProto, rows: np.ndarray) -> None:
     stay for whatever else reads them."""
     node = next(n for n in model.graph.node if n.name == "lm_head")
 
-    def sliced(name: str, take) -> str:
+    def sliced(name: str, values: np.ndarray) -> str:
         model.graph.initializer.append(numpy_helper.from_array(
-            np.ascontiguousarray(take(_constant(model, name))), f"{name}.kept"))
+            np.ascontiguousarray(values), f"{name}.kept"))
         return f"{name}.kept"
 
     if node.op_type == "MatMul":  # stored transposed, [hidden, rows]
-        node.input[1] = sliced(node.input[1], lambda v: v[:, rows])
+        node.input[1] = sliced(node.input[1], _constant(model, node.input[1])[:, rows])
     else:  # MatMulNBits: packed blocks, scales (and zero points) per output row, maybe flat
         n = next(a for a in node.attribute if a.name == "N")
-
-        def by_row(v: np.ndarray) -> np.ndarray:
-            shape = (len(rows), *v.shape[1:]) if v.shape[0] == n.i else (-1,)
-            return v.reshape(n.i, -1)[rows].reshape(shape)
-
         for i, name in enumerate(node.input[1:4], start=1):
-            if name and _constant(model, name).size % n.i == 0:
-                node.input[i] = sliced(name, by_row)
+            v = _constant(model, name) if name else None
+            if v is not None and v.size % n.i == 0:
+                shape = (len(rows), *v.shape[1:]) if v.shape[0] == n.i else (-1,)
+                node.input[i] = sliced(name, v.reshape(n.i, -1)[rows].reshape(shape))
         n.i = len(rows)
     logits = next(o for o in model.graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[2].dim_value = len(rows)
