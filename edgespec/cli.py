@@ -120,13 +120,15 @@ def cli() -> None:
 @click.option("--quant", type=click.Choice(["k", "sym", "asym", "rot"]), default="k",
               show_default=True,
               help="k: int4/int8 as llama.cpp's Q4_K_M/Q8_0 recipe (its types and error "
-                   "search, importance-weighted; --block-size does not apply); sym/asym: "
+                   "search; calibrated: importance-weighted, GPTQ codes; --block-size does "
+                   "not apply); sym/asym: "
                    "plain blocks of --block-size, asym with a zero point each (int2 and "
                    "--draft nested always); rot: int8 with rotated weights and the exact "
                    "integer GEMM, whose multi-token passes cost least (cpu profile).")
 @click.option("--calibration", default="self", show_default=True,
-              help="--quant k's importance weights: 'self' (the model's own generations), "
-                   "a text file, or 'none'.")
+              help="What --quant k and rot measure each layer's inputs on (importance "
+                   "weights, GPTQ): 'self' (the model's own generations), a text file, or "
+                   "'none' (round to nearest).")
 @click.option("--vocab-trim", type=click.IntRange(min=1),
               help="Keep only the K most frequent tokens in the draft's LM head.")
 @click.option("--trim-source", default="target", show_default=True,

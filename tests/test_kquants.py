@@ -92,3 +92,45 @@ def test_recipe_types():
     assert gguf_type("int4", "output", 0, 30, 576) == T.Q8_0  # Q6_K's 32-block fallback
     assert gguf_type("int8", "attn_q", 5, 30, 576) == T.Q8_0
     assert gguf_type("int4", "attn_q", 5, 30, 100) is None  # no 32-block type fits
+
+
+MIX = (RNG.standard_normal((512, 512)) / np.sqrt(512) + np.eye(512)) * RNG.uniform(0.2, 2, 512)
+
+
+def correlated_inputs(rows: int, seed: int) -> np.ndarray:
+    """Activations whose columns are correlated and of unequal size, like a layer's:
+    one distribution, a different sample per seed."""
+    return (np.random.default_rng(seed).standard_normal((rows, 512)) @ MIX).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0])
+def test_gptq_codes_on_the_formats_blocks_cut_the_layers_output_error(qtype):
+    """With the input's XᵀX, GPTQ's codes (read back by gguf-py, so still the format's
+    own bytes) give a lower output error ||XWᵀ - XŴᵀ|| than the same blocks rounded to
+    nearest, on activations the Hessian never saw."""
+    x = correlated_inputs(2048, 1)
+    held_out = correlated_inputs(512, 2)
+    h = x.T.astype(np.float64) @ x
+    diag = np.diag(h).astype(np.float32)
+    rounded = gguf.quants.dequantize(kquants.quantize(W, qtype, diag), qtype).reshape(W.shape)
+    data = kquants.quantize(W, qtype, diag, h, rows=40)
+    gptq = gguf.quants.dequantize(data, qtype).reshape(W.shape)
+    reference = held_out @ W.T
+
+    def error(w: np.ndarray) -> float:
+        return float(np.linalg.norm(reference - held_out @ w.T))
+
+    assert error(gptq) < 0.85 * error(rounded)
+    np.testing.assert_array_equal(dequantize(quantize_weight(W, qtype, diag, h)), gptq)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0])
+def test_gptq_with_uncorrelated_inputs_is_round_to_nearest(qtype):
+    """A diagonal XᵀX couples no columns: there is nothing to compensate, and GPTQ's
+    codes are each weight rounded to the nearest value its block allows."""
+    grid = kquants.QUANTIZERS[qtype](W, IMPORTANCE)
+    nearest = np.clip(np.rint(np.divide(W - (0 if grid.offset is None else grid.offset),
+                                        grid.scale, out=np.zeros_like(W),
+                                        where=grid.scale != 0)), grid.lo, grid.hi)
+    gptq = kquants.quantize(W, qtype, IMPORTANCE, np.diag(IMPORTANCE.astype(np.float64)))
+    np.testing.assert_array_equal(gptq, grid.pack(nearest))

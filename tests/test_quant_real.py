@@ -7,7 +7,8 @@ the model's own chat answers). The llama.cpp figures are measured, on the same w
 and text: 0c1e570's `llama-quantize` of the float32 file (tools/compare/gguf_kl.py's
 write_f32), then `llama-perplexity --kl-divergence`: Q4_K_M KL 0.0529, top-1 89.6%, in a
 105,454,144-byte file; Q8_0 KL 0.0039, top-1 96.9%, 144,811,072 bytes. edgespec measured
-here: int4 KL 0.028, top-1 91.6%; int8 (uncalibrated) 0.0040, 96.7%.
+here: int4 KL 0.018, top-1 92.4% (0.028, 92.0% before GPTQ chose the codes); int8
+(uncalibrated) 0.0040, 96.7%.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def bundle_bytes(path: Path) -> int:
 
 
 @pytest.mark.parametrize("precision,llama,max_kl,min_top1", [
-    ("int4", Q4_K_M, 0.040, 0.905), ("int8", Q8_0, 0.0039, 0.965)])
+    ("int4", Q4_K_M, 0.022, 0.915), ("int8", Q8_0, 0.0039, 0.965)])
 def test_default_quantization_beats_llama_cpp(tmp_path, scoring, precision, llama, max_kl,
                                               min_top1):
     reference, text = scoring

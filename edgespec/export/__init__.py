@@ -22,7 +22,7 @@ from edgespec import __version__
 from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
-from edgespec.export.calibrate import add_stat_outputs, importance
+from edgespec.export.calibrate import add_stat_outputs, second_moments
 from edgespec.export.draft_head import (
     build_head_graph,
     check_fits,
@@ -93,14 +93,12 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                   nested: str | None = None,
                   draft_head_rows: np.ndarray | None = None,
                   kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
-                  hidden_output: bool = False,
-                  importance: dict[str, np.ndarray] | None = None,
-                  stats: str | None = None,
+                  hidden_output: bool = False, stats: bool = False,
                   hessians: dict[str, np.ndarray] | None = None) -> ModelEntry:
     """One model's graph and weights at `out/role.onnx`. `quant`: "k" (the GGUF recipe
-    where it applies, its error weighted by `importance`, see calibrate), "sym", "asym"
-    or "rot" (rotated, GPTQ codes where `hessians` has the input's XᵀX); `stats` adds
-    calibrate's statistics outputs to a float graph ("squares", or "gram" for XᵀX)."""
+    where it applies), "sym", "asym" or "rot" (rotated); k and rot take GPTQ's codes
+    where `hessians` has the input's XᵀX (calibrate); `stats` adds calibrate's XᵀX
+    outputs to a float graph."""
     task = progress.add_task(f"{role}: loading {source.label}", total=None)
     ckpt = source.load()
     adapter = adapter_for(ckpt)
@@ -118,7 +116,7 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                     description=f"{role}: building {precision} graph")
     recipe = uses_recipe(quant, precision, ep_profile, bool(nested))
     if recipe:
-        requant = Requantizer(adapter, precision, importance)
+        requant = Requantizer(adapter, precision, hessians)
         progress.update(task, description=f"{role}: quantizing {precision} (GGUF recipe)")
         embeddings, head = requant.embeddings_and_head()
         layers = requant.layers()
@@ -140,7 +138,7 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                           on_layer=lambda i: progress.advance(task),
                           hidden_output=hidden_output, rotation=rotated, hessians=hessians)
     if stats:
-        add_stat_outputs(model, gram=stats == "gram")
+        add_stat_outputs(model)
     progress.update(task, description=f"{role}: writing {role}.onnx")
     _save(model, out, role)
     progress.update(task, completed=spec.num_layers + 1, description=f"{role}: done")
@@ -205,32 +203,24 @@ def default_head(source: Source) -> Path | None:
     return shipped_head(adapter_for(source.load()).embeddings())
 
 
-def _importance(tmp: Path, reference: ModelEntry, source: Source, calibration: str | Path,
-                progress: Progress) -> dict[str, np.ndarray]:
-    """The target's input importance per linear layer (calibrate), measured on its float
-    graph `reference` (built with statistics outputs)."""
+def _hessians(tmp: Path, source: Source, calibration: str | Path, quant: str,
+              progress: Progress) -> dict[str, np.ndarray]:
+    """XᵀX of every linear's input in the float model, rotated for `quant` "rot" (the
+    inputs the quantized weights will multiply), measured on `calibration` ("self": the
+    model's own answers to the built-in prompts, or a text file); the calibration graph
+    is removed afterwards."""
+    graph = _export_model(source, "calibration", tmp, "fp32", 32, 0, "cpu",
+                          "rot" if quant == "rot" else "sym", progress, stats=True)
     prompts = default_prompts()
     text = None if calibration == "self" else Path(calibration)
     task = progress.add_task("calibrating: " + ("the model's own generations" if text is None
                                                 else text.name),
                              total=None if text else len(prompts))
     try:
-        return importance(tmp / reference.graph, reference,
-                          Tokenizer.from_dir(source.tokenizer_dir), text, prompts,
-                          advance=lambda: progress.advance(task))
+        return second_moments(tmp / graph.graph, graph, Tokenizer.from_dir(source.tokenizer_dir),
+                              text, prompts, advance=lambda: progress.advance(task))
     finally:
         progress.update(task, visible=False)
-
-
-def _hessians(tmp: Path, source: Source, calibration: str | Path,
-              progress: Progress) -> dict[str, np.ndarray]:
-    """XᵀX of every linear's input in the rotated float model (the inputs the rotated
-    int8 weights multiply), for GPTQ; the calibration graph is removed afterwards."""
-    graph = _export_model(source, "calibration", tmp, "fp32", 32, 0, "cpu", "rot", progress,
-                          stats="gram")
-    try:
-        return _importance(tmp, graph, source, calibration, progress)
-    finally:
         for name in (graph.graph, *graph.data_files):
             (tmp / name).unlink(missing_ok=True)
 
@@ -297,8 +287,10 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     kernel. Losslessness is unaffected: speculation is exact w.r.t. the graph that runs.
     `quant="k"` (default) quantizes int4/int8 weights with llama.cpp's Q4_K_M/Q8_0
     recipe (quant.recipe: its types, bits per weight and error search; a tied embedding
-    stored once), its error weighted by input importance from `calibration`: "self" (the
-    target's own generations after built-in prompts), a text file, or None (unweighted).
+    stored once), calibrated on `calibration`: "self" (the target's own generations after
+    built-in prompts), a text file, or None (round to nearest, unweighted). Calibration
+    measures each linear's input XᵀX: its diagonal weights the blocks' error search and
+    GPTQ chooses the codes on those blocks.
     "sym"/"asym" are the plain blockwise codes of `block_size` (asym: a zero point per
     block; int8 stays symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points);
     int2, BitNest and the dml profile always take those.
@@ -390,19 +382,15 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
     try:
         with write_bundle(out, overwrite) as (tmp, finish), Progress(
                 *columns, console=console, transient=True) as progress:
-            importance = reference = None
-            if (floats and uses_recipe(quant, precision, ep_profile, nested)
-                    or quant == "rot" and precision != "fp32"):
+            reference = hessians = None
+            recipe = floats and uses_recipe(quant, precision, ep_profile, nested)
+            if recipe or quant == "rot" and precision != "fp32":
                 reference = _export_model(target_src, "reference", tmp, "fp32", 32, 0, "cpu",
-                                          "sym", progress, stats="squares")
-            if reference and calibration and uses_recipe(quant, precision, ep_profile, nested):
-                importance = _importance(tmp, reference, target_src, calibration, progress)
-            hessians = None
-            if quant == "rot" and precision == "int8" and calibration:
-                hessians = _hessians(tmp, target_src, calibration, progress)
+                                          "sym", progress)
+            if calibration and (recipe or quant == "rot" and precision == "int8"):
+                hessians = _hessians(tmp, target_src, calibration, quant, progress)
             target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, quant, progress,
-                                         importance=importance,
                                          nested="shared" if nested else None,
                                          hidden_output=head is not None, hessians=hessians)
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
@@ -420,8 +408,7 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             if target_scales is not None or (kept is not None and nested):
                 target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                              accuracy_level, ep_profile, quant, progress,
-                                             importance=importance,
-                                             nested="shared" if nested else None,
+                                                 nested="shared" if nested else None,
                                              draft_head_rows=kept if nested else None,
                                              kv_scales=target_scales,
                                              hidden_output=head is not None,

@@ -1,16 +1,16 @@
-"""Importance of every linear layer's input columns, measured on the float model.
+"""The second moment XᵀX of every linear layer's input, measured on the float model.
 
-llama.cpp's imatrix: the mean squared activation entering each column of a weight, over
-calibration text. Weighting the quantization error by it spends the codes' precision
-where the layer's output feels it (quant.kquants). The text is the model's own
-generations after the built-in prompts (offline, from the model alone) or a user's file.
+Its diagonal is llama.cpp's imatrix, the mean squared activation entering each column of
+a weight: weighting the quantization error by it spends the codes' precision where the
+layer's output feels it (quant.kquants). The whole matrix is what GPTQ (quant.gptq)
+needs to choose codes whose errors cancel in the layer's output. The text is the
+model's own generations after the built-in prompts (offline, from the model alone) or a
+user's file.
 
 The float graph runs in edgespec's own runtime with one extra output per MatMul,
-`stat.<node>` = the sum over tokens of its input squared, so the statistics are those of
-exactly the computation being quantized, for every architecture the exporter supports.
-GPTQ (quant.gptq, for `--quant rot`) needs the whole second moment XᵀX of each input,
-`gram=True`: measured on the rotated float graph, whose inputs are what the int8 weights
-will multiply.
+`stat.<node>` = XᵀX of its input over the pass's tokens, so the statistics are those of
+exactly the computation being quantized, for every architecture the exporter supports
+(for `--quant rot` the rotated graph, whose inputs are what the int8 weights multiply).
 """
 
 from __future__ import annotations
@@ -33,30 +33,20 @@ MAX_LEN = 512  # positions per calibration sequence
 PREFIX = "stat."
 
 
-def add_stat_outputs(model: onnx.ModelProto, gram: bool = False) -> dict[str, int]:
+def add_stat_outputs(model: onnx.ModelProto) -> dict[str, int]:
     """Give every MatMul over a weight initializer [K, N] an output `stat.<its name>`:
-    the sum over the pass's tokens of its input squared, [1, K], or with `gram` its
-    XᵀX, [1, K, K]. Returns name -> K."""
+    XᵀX of its input over the pass's tokens, [1, K, K]. Returns name -> K."""
     graph = model.graph
     widths = {t.name: t.dims[0] for t in graph.initializer if len(t.dims) == 2}
-    graph.initializer.append(helper.make_tensor("stat.axes", TensorProto.INT64, [1], [1]))
     names = {}
     for node in list(graph.node):
         if node.op_type != "MatMul" or node.input[1] not in widths:
             continue
         x, out, k = node.input[0], PREFIX + node.name, widths[node.input[1]]
-        if gram:  # [1, S, K] -> [1, K, K]
-            graph.node.extend([
-                helper.make_node("Transpose", [x], [f"{out}.xt"], name=f"{out}.xt",
-                                 perm=[0, 2, 1]),
-                helper.make_node("MatMul", [f"{out}.xt", x], [out], name=out)])
-        else:
-            graph.node.extend([
-                helper.make_node("Mul", [x, x], [f"{out}.sq"], name=f"{out}.sq"),
-                helper.make_node("ReduceSum", [f"{out}.sq", "stat.axes"], [out], name=out,
-                                 keepdims=0)])
-        graph.output.append(helper.make_tensor_value_info(
-            out, TensorProto.FLOAT, [1, k, k] if gram else [1, k]))
+        graph.node.extend([  # [1, S, K] -> [1, K, K]
+            helper.make_node("Transpose", [x], [f"{out}.xt"], name=f"{out}.xt", perm=[0, 2, 1]),
+            helper.make_node("MatMul", [f"{out}.xt", x], [out], name=out)])
+        graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, k, k]))
         names[out] = k
     return names
 
@@ -99,12 +89,12 @@ def text_chunks(path: Path, tokenizer: Tokenizer, length: int,
     return [ids[i:i + length] for i in range(0, len(ids), length)][:limit]
 
 
-def importance(graph: Path, entry: ModelEntry, tokenizer: Tokenizer,
-               text: Path | None, prompts: list[str], new_tokens: int = 64,
-               advance: Callable[[], None] = lambda: None) -> dict[str, np.ndarray]:
-    """The mean statistic (squared input per column, or XᵀX per token) of every MatMul
-    of the float `graph` (built with add_stat_outputs), keyed by node name with a part
-    index dropped ("qkv0" -> "qkv": the parts of a weight share its input)."""
+def second_moments(graph: Path, entry: ModelEntry, tokenizer: Tokenizer,
+                   text: Path | None, prompts: list[str], new_tokens: int = 64,
+                   advance: Callable[[], None] = lambda: None) -> dict[str, np.ndarray]:
+    """XᵀX per token [K, K] of every MatMul's input in the float `graph` (built with
+    add_stat_outputs), keyed by node name with a part index dropped ("qkv0" -> "qkv":
+    the parts of a weight share its input)."""
     session = DecoderSession(graph, entry, ["CPUExecutionProvider"],
                              max_len=min(entry.max_positions, MAX_LEN))
     sequences = (text_chunks(text, tokenizer, session.max_len) if text

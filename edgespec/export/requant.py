@@ -1,8 +1,11 @@
 """A checkpoint's float linear weights quantized by the GGUF recipe (quant.recipe).
 
-Each weight is quantized with llama.cpp's search, weighted by the importance of its input
-columns where calibration measured them (`importance`, keyed like the graph's MatMul
-nodes: "layers.3.qkv", "layers.3.o", "layers.3.gate_up", "layers.3.down", "lm_head").
+Each weight is quantized with llama.cpp's search. Where calibration measured its input's
+XᵀX (`hessians`, keyed like the graph's MatMul nodes: "layers.3.qkv", "layers.3.o",
+"layers.3.gate_up", "layers.3.down", "lm_head"), the search is weighted by its diagonal
+(the importance of each input column, llama.cpp's imatrix) and GPTQ chooses the codes
+on the searched blocks; a tied head keeps round-to-nearest codes, since they are the
+embedding's rows too.
 Fused weights are cut into their parts first, since q/k/v and gate/up may get different
 types; parts of one type are fused again (one MatMulNBits). A tied embedding is the
 quantized head itself, so the graph gathers it from the head's codes: stored once.
@@ -22,7 +25,7 @@ from edgespec.export.architectures import LayerWeights, LlamaAdapter, Weight, fu
 class Requantizer:
     adapter: LlamaAdapter
     precision: str  # "int4" or "int8"
-    importance: dict[str, np.ndarray] | None = None
+    hessians: dict[str, np.ndarray] | None = None
 
     def weight(self, w: Weight, kind: str, layer: int, key: str) -> Weight:
         """One weight quantized (imported encodings and weights no type fits stay)."""
@@ -34,7 +37,12 @@ class Requantizer:
                           w.shape[1])
         if qtype is None:
             return w
-        return quantize_weight(w, qtype, (self.importance or {}).get(key))
+        hessian = (self.hessians or {}).get(key)
+        if hessian is None:
+            return quantize_weight(w, qtype)
+        if w is self.adapter.embeddings():
+            return quantize_weight(w, qtype, np.diag(hessian).copy())
+        return quantize_weight(w, qtype, hessian=hessian)
 
     def parts(self, w: Weight | list[Weight], kinds: tuple[str, ...], sizes: list[int],
               layer: int, key: str) -> Weight | list[Weight]:

@@ -30,6 +30,8 @@ round-to-nearest. Arithmetic is float64.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 QMAX = 127
@@ -98,6 +100,53 @@ def _upper_cholesky_of_inverse(h: np.ndarray) -> np.ndarray:
     return solve_triangular(r, eye, lower=False)
 
 
+@dataclasses.dataclass
+class Columns:
+    """The order GPTQ quantizes a layer's input columns in, and U (H⁻¹ = UᵀU in that
+    order): what a Hessian fixes, shared by every row chunk and part of its weight."""
+
+    order: np.ndarray
+    u: np.ndarray
+
+
+def factor(hessian: np.ndarray, damp: float = 0.01, act_order: bool = True) -> Columns:
+    """The columns' order and H⁻¹'s factor for hessian [K, K]; `damp` is the dampening
+    as a fraction of H's mean diagonal, `act_order` quantizes in decreasing diag(H)."""
+    h = np.array(np.squeeze(hessian), dtype=np.float64)
+    k = len(h)
+    diag = np.diag(h).copy()
+    dead = diag <= 0
+    h[dead, dead] = 1.0  # never seen (H PSD: its row and column are zero): no coupling
+    order = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
+    h = h[np.ix_(order, order)]
+    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
+    return Columns(order, _upper_cholesky_of_inverse(h))
+
+
+def grid_codes(weight: np.ndarray, columns: Columns, scale: np.ndarray,
+               offset: np.ndarray | None, lo: int, hi: int, block: int = 128) -> np.ndarray:
+    """GPTQ codes q in [lo, hi] for weight [N, K] on a fixed grid: element (n, k) is
+    dequantized as scale[n, k]·q + offset[n, k] (both broadcastable to [N, K]; offset None
+    is 0; a zero scale leaves q 0), e.g. a GGUF format's fitted blocks (quant.kquants).
+    Returns int16 codes [N, K]."""
+    w = np.asarray(weight, dtype=np.float64)
+    n, k = w.shape
+    if columns.u.shape != (k, k):
+        raise ValueError(f"hessian is {columns.u.shape}, expected {(k, k)} for weight "
+                         f"{w.shape}")
+    order = columns.order
+    scale = np.broadcast_to(scale, (n, k))
+    offset = None if offset is None else np.broadcast_to(offset, (n, k))
+    codes = np.empty((n, k), dtype=np.int16)
+    for r in range(0, n, ROWS):  # output channels are independent: chunks stay in cache
+        rows = slice(r, r + ROWS)
+        codes[rows, order] = _columns(
+            w[rows][:, order].T.copy(), columns.u, scale[rows][:, order].T.astype(np.float64),
+            None if offset is None else offset[rows][:, order].T.astype(np.float64),
+            lo, hi, block).T
+    return codes
+
+
 def gptq_int8(weight: np.ndarray, hessian: np.ndarray, *, scale: np.ndarray | None = None,
               damp: float = 0.01, block: int = 128, act_order: bool = True,
               clip: str = "absmax") -> tuple[np.ndarray, np.ndarray]:
@@ -110,41 +159,35 @@ def gptq_int8(weight: np.ndarray, hessian: np.ndarray, *, scale: np.ndarray | No
     mean diagonal; `block` the lazy-batch width; `act_order` quantizes columns in
     decreasing diag(H).
     """
-    w = np.array(weight, dtype=np.float64)  # a copy: updated as columns are quantized
+    w = np.asarray(weight, dtype=np.float64)
     n, k = w.shape
-    h = np.array(hessian, dtype=np.float64)
+    h = np.asarray(hessian, dtype=np.float64)
     if h.shape != (k, k):
         raise ValueError(f"hessian is {h.shape}, expected {(k, k)} for weight {w.shape}")
-    diag = np.diag(h).copy()
-    s = (channel_scales(w, diag, clip) if scale is None
+    s = (channel_scales(w, np.diag(h), clip) if scale is None
          else np.asarray(scale, dtype=np.float64).reshape(n))
-    dead = diag <= 0
-    h[dead, dead] = 1.0  # never seen (H PSD: its row and column are zero): no coupling
-    order = np.argsort(-diag, kind="stable") if act_order else np.arange(k)
-    h = h[np.ix_(order, order)]
-    h[np.diag_indices(k)] += damp * np.mean(np.diag(h))
-    u = _upper_cholesky_of_inverse(h)
-    codes = np.empty((n, k), dtype=np.int8)
-    for r in range(0, n, ROWS):  # output channels are independent: chunks stay in cache
-        codes[r:r + ROWS, order] = _columns(w[r:r + ROWS, order].T.copy(), u, s[r:r + ROWS],
-                                            block).T
-    return codes, s.astype(np.float32)
+    codes = grid_codes(w, factor(h, damp, act_order), s[:, None], None, -QMAX, QMAX, block)
+    return codes.astype(np.int8), s.astype(np.float32)
 
 
-def _columns(wt: np.ndarray, u: np.ndarray, s: np.ndarray, block: int) -> np.ndarray:
+def _columns(wt: np.ndarray, u: np.ndarray, scale: np.ndarray, offset: np.ndarray | None,
+             lo: int, hi: int, block: int) -> np.ndarray:
     """The GPTQ pass over wt [K, N] (transposed: column i is the contiguous row wt[i],
-    updated in place), in lazy batches of `block` columns; returns codes [K, N]."""
+    updated in place) on the grid scale, offset [K, N], in lazy batches of `block`
+    columns; returns codes [K, N]."""
     k, n = wt.shape
-    codes = np.empty((k, n), dtype=np.int8)
+    codes = np.empty((k, n), dtype=np.int16)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         u1 = u[i1:i2, i1:i2]
         err = np.empty((i2 - i1, n))
         for j in range(i2 - i1):
-            col = wt[i1 + j]
-            q = np.clip(np.round(col / s), -QMAX, QMAX)
+            col, s = wt[i1 + j], scale[i1 + j]
+            base = col if offset is None else col - offset[i1 + j]
+            q = np.clip(np.rint(np.divide(base, s, out=np.zeros(n), where=s != 0)), lo, hi)
             codes[i1 + j] = q
-            e = (col - q * s) / u1[j, j]
+            value = q * s if offset is None else q * s + offset[i1 + j]
+            e = (col - value) / u1[j, j]
             wt[i1 + j + 1:i2] -= np.outer(u1[j, j + 1:], e)
             err[j] = e
         wt[i2:] -= u[i1:i2, i2:].T @ err

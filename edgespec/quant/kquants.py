@@ -7,6 +7,13 @@ Q4_K_M as faithful as it is. With an importance vector per input column (the mea
 squared activation, llama.cpp's imatrix, see edgespec.quant.calibrate) the error is
 weighted by how much each column matters to the layer's output.
 
+Each quantizer fits its blocks' scales and returns them as a `Grid`: the values every
+weight may take, its own round-to-nearest codes, and the packing into GGUF's bytes. With
+an input Hessian (XᵀX from calibration) `quantize` keeps the grid but lets GPTQ choose
+the codes (quant.gptq): the rounding errors of the columns already quantized are
+compensated in the columns still to come, so the layer's output, not each weight, is
+what the codes get close to.
+
 The result is the tensor's raw GGUF bytes [N, row_bytes]: gguf_codes turns them into
 the exact MatMulNBits encoding the import path uses, and `gguf.quants.dequantize` reads
 them too (the tests' oracle). Float arithmetic follows ggml's order where it matters
@@ -14,6 +21,9 @@ them too (the tests' oracle). Float arithmetic follows ggml's order where it mat
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType, quants
@@ -30,6 +40,26 @@ def _f16_bytes(x: np.ndarray) -> np.ndarray:
 
 def _f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(F32)
+
+
+@dataclasses.dataclass
+class Grid:
+    """A weight's fitted blocks: element (n, k) may be scale·q + offset for an integer q
+    in [lo, hi]; `codes` is the format's own choice of q, and `pack` writes any codes on
+    the grid as the format's GGUF rows."""
+
+    scale: np.ndarray  # [N, K] float32
+    offset: np.ndarray | None  # [N, K] float32, None for symmetric formats
+    lo: int
+    hi: int
+    codes: np.ndarray  # [N, K]
+    pack: Callable[[np.ndarray], np.ndarray]
+
+
+def _per_weight(block_values: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Per-block values [..., blocks] spread over their block's weights, as [N, K]."""
+    per_block = shape[0] * shape[1] // block_values.size
+    return np.repeat(block_values.reshape(-1), per_block).reshape(shape).astype(F32)
 
 
 def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -141,7 +171,7 @@ def _importance(rows: np.ndarray, importance: np.ndarray | None) -> np.ndarray |
         importance.astype(F32), rows.shape)
 
 
-def q4_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+def q4_k(w: np.ndarray, importance: np.ndarray | None = None) -> Grid:
     """[N, K] (K a multiple of 256) -> Q4_K rows: 8 sub-blocks of 32 per super-block,
     w = d·sc·q - dmin·m with 6-bit sc, m (quantize_row_q4_K_ref / _impl)."""
     n, k = w.shape
@@ -169,18 +199,23 @@ def q4_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     eff_d = _f16(d)[:, None] * ls
     eff_m = _f16(dmin)[:, None] * lm
     q = np.clip(np.rint(_div(x.reshape(-1, 8, 32) + eff_m[..., None], eff_d[..., None])), 0,
-                15).astype(np.uint8)
+                15)
     packed_scales = np.zeros((len(x), 12), np.uint8)
     packed_scales[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
     packed_scales[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
     packed_scales[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
-    pairs = q.reshape(-1, 4, 2, 32)
-    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
-    block = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed_scales, qs], axis=1)
-    return block.reshape(n, -1)
+
+    def pack(codes: np.ndarray) -> np.ndarray:
+        pairs = codes.astype(np.uint8).reshape(-1, 4, 2, 32)
+        qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+        block = np.concatenate([_f16_bytes(d), _f16_bytes(dmin), packed_scales, qs], axis=1)
+        return block.reshape(n, -1)
+
+    return Grid(_per_weight(eff_d, w.shape), -_per_weight(eff_m, w.shape), 0, 15,
+                q.reshape(n, k), pack)
 
 
-def q6_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
+def q6_k(w: np.ndarray, importance: np.ndarray | None = None) -> Grid:
     """[N, K] (K a multiple of 256) -> Q6_K rows: 16 sub-blocks of 16, w = d·sc·(q - 32)
     with int8 sc (quantize_row_q6_K_ref / _impl)."""
     n, k = w.shape
@@ -197,27 +232,35 @@ def q6_k(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     d = np.where(alive, _div(F32(1), iscale), 0)
     sc = np.minimum(127, np.rint(iscale[:, None] * scales)).astype(np.int8)
     eff = _f16(d)[:, None] * sc
-    q = (np.clip(np.rint(_div(x.reshape(-1, 16, 16), eff[..., None])), -32, 31) + 32)
-    q = np.where(eff[..., None] != 0, q, 32).astype(np.uint8).reshape(-1, 2, 4, 32)
-    ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
-                         (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=2)
-    ql = ql.reshape(-1, 128)
-    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
-          | ((q[:, :, 3] >> 4) << 6)).reshape(-1, 64)
-    block = np.concatenate([ql, qh, sc.view(np.uint8), _f16_bytes(d)], axis=1)
-    return block.reshape(n, -1)
+    q = np.clip(np.rint(_div(x.reshape(-1, 16, 16), eff[..., None])), -32, 31)
+
+    def pack(codes: np.ndarray) -> np.ndarray:
+        q = (codes.reshape(-1, 16, 16) + 32).astype(np.uint8).reshape(-1, 2, 4, 32)
+        ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
+                             (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=2)
+        ql = ql.reshape(-1, 128)
+        qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+              | ((q[:, :, 3] >> 4) << 6)).reshape(-1, 64)
+        block = np.concatenate([ql, qh, sc.view(np.uint8), _f16_bytes(d)], axis=1)
+        return block.reshape(n, -1)
+
+    return Grid(_per_weight(eff, w.shape), None, -32, 31, q.reshape(n, k), pack)
 
 
-def q5_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-    """[N, K] (K a multiple of 32) -> Q5_0 rows, w = d·(q - 16): max|w| without an
-    importance vector (gguf-py's reference), the weighted search with one."""
-    if importance is None:
-        return quants.quantize(w.astype(F32), GGMLQuantizationType.Q5_0)
+def _reference(w: np.ndarray, qtype: GGMLQuantizationType, nmax: int) -> Grid:
+    """gguf-py's reference quantizer (max|w| per block of 32, symmetric) as a grid."""
     n, k = w.shape
-    x = w.astype(F32)
-    sigma2 = (x * x).sum(1, dtype=F32, keepdims=True) / k
-    weights = (_importance(w, importance) * np.sqrt(sigma2 + x * x)).reshape(-1, 32)
-    d, q = make_qx(x.reshape(-1, 32), 16, weights)
+    rows = quants.quantize(w.astype(F32), qtype)
+    d = _f16(rows.reshape(-1, rows.shape[1] * 32 // k)[:, :2].copy().view(np.float16))
+    back = quants.dequantize(rows, qtype).reshape(n, k)
+    codes = np.rint(_div(back, _per_weight(d, w.shape))).astype(np.int16)
+    encode = {GGMLQuantizationType.Q5_0: _q5_0_rows, GGMLQuantizationType.Q8_0: _q8_0_rows}
+    return Grid(_per_weight(d, w.shape), None, -nmax, nmax - 1, codes,
+                lambda c: encode[qtype](d[:, 0], c, n))
+
+
+def _q5_0_rows(d: np.ndarray, codes: np.ndarray, n: int) -> np.ndarray:
+    q = (codes.reshape(-1, 32) + 16).astype(np.uint8)
     qs = (q[:, :16] & 0xF) | ((q[:, 16:] & 0xF) << 4)
     high = (q >> 4).astype(np.uint32)
     qh = (high << np.arange(32, dtype=np.uint32)).sum(1, dtype=np.uint32)
@@ -225,19 +268,38 @@ def q5_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
     return block.reshape(n, -1)
 
 
-def q8_0(w: np.ndarray, importance: np.ndarray | None = None) -> np.ndarray:
-    """[N, K] -> Q8_0 rows, w = d·q: max|w| / 127 without an importance vector (gguf-py's
-    reference, as llama.cpp, which ignores one for Q8_0), the weighted search with one
-    (codes in [-128, 127], as in Q5_0)."""
-    if importance is None:
-        return quants.quantize(w.astype(F32), GGMLQuantizationType.Q8_0)
+def _q8_0_rows(d: np.ndarray, codes: np.ndarray, n: int) -> np.ndarray:
+    q = codes.reshape(-1, 32).astype(np.int8).view(np.uint8)
+    return np.concatenate([_f16_bytes(d), q], axis=1).reshape(n, -1)
+
+
+def _searched(w: np.ndarray, importance: np.ndarray, nmax: int,
+              rows: Callable[[np.ndarray, np.ndarray, int], np.ndarray]) -> Grid:
+    """Symmetric blocks of 32, w = d·q with q in [-nmax, nmax), d the weighted search's."""
     n, k = w.shape
     x = w.astype(F32)
     sigma2 = (x * x).sum(1, dtype=F32, keepdims=True) / k
     weights = (_importance(w, importance) * np.sqrt(sigma2 + x * x)).reshape(-1, 32)
-    d, q = make_qx(x.reshape(-1, 32), 128, weights)
-    block = np.concatenate([_f16_bytes(d), q ^ np.uint8(0x80)], axis=1)
-    return block.reshape(n, -1)
+    d, q = make_qx(x.reshape(-1, 32), nmax, weights)
+    return Grid(_per_weight(_f16(d), w.shape), None, -nmax, nmax - 1,
+                (q.astype(np.int16) - nmax).reshape(n, k), lambda c: rows(d, c, n))
+
+
+def q5_0(w: np.ndarray, importance: np.ndarray | None = None) -> Grid:
+    """[N, K] (K a multiple of 32) -> Q5_0 rows, w = d·(q - 16): max|w| without an
+    importance vector (gguf-py's reference), the weighted search with one."""
+    if importance is None:
+        return _reference(w, GGMLQuantizationType.Q5_0, 16)
+    return _searched(w, importance, 16, _q5_0_rows)
+
+
+def q8_0(w: np.ndarray, importance: np.ndarray | None = None) -> Grid:
+    """[N, K] -> Q8_0 rows, w = d·q: max|w| / 127 without an importance vector (gguf-py's
+    reference, as llama.cpp, which ignores one for Q8_0), the weighted search with one
+    (codes in [-128, 127], as in Q5_0)."""
+    if importance is None:
+        return _reference(w, GGMLQuantizationType.Q8_0, 128)
+    return _searched(w, importance, 128, _q8_0_rows)
 
 
 QUANTIZERS = {GGMLQuantizationType.Q4_K: q4_k, GGMLQuantizationType.Q6_K: q6_k,
@@ -245,7 +307,22 @@ QUANTIZERS = {GGMLQuantizationType.Q4_K: q4_k, GGMLQuantizationType.Q6_K: q6_k,
 
 
 def quantize(w: np.ndarray, qtype: GGMLQuantizationType,
-             importance: np.ndarray | None = None, rows: int = 2048) -> np.ndarray:
-    """A [N, K] weight as `qtype`'s raw GGUF rows, `rows` at a time (bounded memory)."""
+             importance: np.ndarray | None = None, hessian: np.ndarray | None = None,
+             rows: int = 2048) -> np.ndarray:
+    """A [N, K] weight as `qtype`'s raw GGUF rows, `rows` at a time (bounded memory).
+
+    With `hessian` (the input's XᵀX, [K, K]) the blocks are fitted with its diagonal as
+    the importance (in place of `importance`) and GPTQ chooses the codes on them."""
     fn = QUANTIZERS[qtype]
-    return np.concatenate([fn(w[i:i + rows], importance) for i in range(0, len(w), rows)])
+    if hessian is not None:
+        from edgespec.quant.gptq import factor, grid_codes
+
+        importance = np.diag(hessian).astype(F32)
+        columns = factor(hessian)
+    out = []
+    for i in range(0, len(w), rows):
+        grid = fn(w[i:i + rows], importance)
+        codes = grid.codes if hessian is None else grid_codes(
+            w[i:i + rows], columns, grid.scale, grid.offset, grid.lo, grid.hi)
+        out.append(grid.pack(codes))
+    return np.concatenate(out)

@@ -50,8 +50,9 @@ def gguf_type(precision: str, kind: str, layer: int, layers: int, k: int) -> T |
     return qtype if k % GGML_QUANT_SIZES[qtype][0] == 0 else None
 
 
-def quantize_weight(w: np.ndarray, qtype: T,
-                    importance: np.ndarray | None = None) -> QuantizedWeight:
-    """A float [N, K] weight as `qtype`'s exact MatMulNBits encoding."""
-    return gguf_codes.encode(kquants.quantize(np.asarray(w, np.float32), qtype, importance),
-                             qtype)
+def quantize_weight(w: np.ndarray, qtype: T, importance: np.ndarray | None = None,
+                    hessian: np.ndarray | None = None) -> QuantizedWeight:
+    """A float [N, K] weight as `qtype`'s exact MatMulNBits encoding (GPTQ's codes on
+    the recipe's blocks when the input's `hessian` is given)."""
+    return gguf_codes.encode(
+        kquants.quantize(np.asarray(w, np.float32), qtype, importance, hessian), qtype)

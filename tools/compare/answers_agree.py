@@ -2,7 +2,9 @@
 
 The 16 chat prompts of edgespec's real-model benchmark set (edgespec/assets/bench/
 chat.json), each chat-formatted, answered greedily (AR) for `--tokens` tokens by every
-bundle; an answer agrees when all its tokens equal the reference's.
+bundle; an answer agrees when all its tokens equal the reference's. Also reported: the
+mean number of leading tokens an answer shares with the reference's (its first
+divergence), which moves before whole answers do.
 
     python tools/compare/answers_agree.py REFERENCE_BUNDLE BUNDLE... [--tokens 32]
 """
@@ -40,7 +42,10 @@ def main() -> None:
     for bundle in a.bundles:
         got = answers(bundle, prompts, a.tokens)
         same = sum(g == r for g, r in zip(got, ref, strict=True))
-        report[str(bundle)] = f"{same}/{len(prompts)}"
+        shared = [next((i for i, (x, y) in enumerate(zip(g, r, strict=False)) if x != y),
+                       min(len(g), len(r))) for g, r in zip(got, ref, strict=True)]
+        report[str(bundle)] = {"agree": f"{same}/{len(prompts)}",
+                               "mean_shared_prefix": round(sum(shared) / len(shared), 1)}
     print(json.dumps(report, indent=1))
 
 
