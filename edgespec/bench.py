@@ -47,17 +47,21 @@ def draft_description(engine: Engine) -> str:
     return f"{kind}{d.architecture} {d.precision}, {d.params / 1e6:.1f}M parameters"
 
 
-def bench_modes(engine: Engine,
-                wanted: tuple[str, ...] = ()) -> tuple[dict[str, GenerationConfig], str]:
+def bench_modes(engine: Engine, wanted: tuple[str, ...] = (),
+                gammas: tuple[int, ...] = ()) -> tuple[dict[str, GenerationConfig], str]:
     """label -> config for the modes this bundle can run (all, or the ids in `wanted`; AR
-    always, the ratios need it), and the label of the one `edgespec generate` runs with no
-    flags ("default" only when it equals none of the others)."""
+    always, the ratios need it) plus a chain of each length in `gammas`, and the label of
+    the one `edgespec generate` runs with no flags ("default" only when it equals none of
+    the others)."""
     default = replace(GenerationConfig(), mode=engine.default_mode)
+    entries = [(key, label, fields, key in wanted) for key, (label, fields) in MODES.items()]
+    entries[-1:-1] = [("chain", f"chain γ={g}", dict(mode="spec", draft_tokens=g), True)
+                      for g in gammas]  # before "default", which keeps a named twin's name
     configs: dict[str, GenerationConfig] = {}
-    for key, (label, fields) in MODES.items():
+    for key, label, fields, asked in entries:
         config = GenerationConfig(**fields) if fields else default
-        if (wanted and key not in wanted and key != "ar") or \
-                (config.mode == "spec" and engine.draft is None and key not in wanted):
+        if (wanted and not asked and key != "ar") or \
+                (config.mode == "spec" and engine.draft is None and not asked):
             continue  # asked for, it runs into the engine's own refusal at warm-up
         if config not in configs.values():
             configs[label] = config
@@ -81,11 +85,12 @@ def _row(group: list[GenerationStats]) -> dict[str, Any]:
 def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int = 64,
               temperatures: tuple[float, ...] = DEFAULT_TEMPERATURES, rounds: int = 1,
               modes: tuple[str, ...] = (), seed: int = 0,
-              progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[int, int], None] | None = None,
+              gammas: tuple[int, ...] = ()) -> dict[str, Any]:
     """Per category, temperature and mode: tokens/s, speedup vs AR (with its range over
     rounds), tokens per target pass, acceptance. Sampled runs are seeded per prompt and
-    not compared with AR's output."""
-    configs, default = bench_modes(engine, modes)
+    not compared with AR's output. `gammas`: chains of these lengths as extra modes."""
+    configs, default = bench_modes(engine, modes, gammas)
     skipped = {}
     for name, config in list(configs.items()):  # warm-up: each mode's first pass allocates
         engine.reset()

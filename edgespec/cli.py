@@ -496,6 +496,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None,
               help="Use only the first N prompts of each category.")
 @click.option("--mode", "modes", multiple=True, type=click.Choice(list(MODE_IDS)),
               help="Only this mode (repeatable; AR always runs, the ratios need it).")
+@click.option("--gamma", "gammas", multiple=True, type=click.IntRange(min=1, max=16),
+              help="Also run a chain of this many draft tokens per pass (repeatable).")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=2))
 @click.option("--temperature", "temperatures", multiple=True, type=click.FloatRange(min=0),
               help="Repeatable; 0: greedy (outputs checked against AR), > 0: seeded "
@@ -504,7 +506,8 @@ def serve(model: str | None, host: str, port: int, api_key: str | None,
               help="Run the whole set this many times, interleaved (ratios get a range).")
 def bench(model: str | None, runtime: dict, as_json: bool, prompt_set: str,
           categories: tuple[str, ...], limit: int | None, modes: tuple[str, ...],
-          max_new_tokens: int, temperatures: tuple[float, ...], rounds: int) -> None:
+          gammas: tuple[int, ...], max_new_tokens: int, temperatures: tuple[float, ...],
+          rounds: int) -> None:
     """Benchmark every decoding mode the model has on a shipped prompt set, per category,
     greedy and sampled, interleaved in one run."""
     from rich.progress import Progress
@@ -521,7 +524,7 @@ def bench(model: str | None, runtime: dict, as_json: bool, prompt_set: str,
         report = run_bench(engine, prompts, max_new_tokens,
                            temperatures or DEFAULT_TEMPERATURES, rounds, modes,
                            progress=lambda done, total: progress.update(
-                               task, completed=done, total=total))
+                               task, completed=done, total=total), gammas=gammas)
     report.update(model=model or "demo", prompt_set=prompt_set,
                   threads=runtime["threads"] or CORES)
     if as_json:

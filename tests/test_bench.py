@@ -36,6 +36,21 @@ def test_a_nested_draft_runs_the_model_draft_modes_losslessly(nested_bundle):
     assert rows["all", "ar"]["tokens_per_target_pass"] == 1.0
 
 
+def test_extra_chain_lengths_run_as_modes_of_their_own(nested_bundle):
+    """`gammas` adds a chain of each length; its passes draft at most that many tokens,
+    and greedy output still equals AR's."""
+    engine = edgespec.load(nested_bundle)
+    configs, _ = bench_modes(engine, ("chain",), (1, 4))
+    assert list(configs) == ["ar", "chain γ=4", "chain γ=1"]
+    prompts = select(load_set("real"), ("chat",), 1)
+    report = run_bench(engine, prompts, max_new_tokens=12, temperatures=(0.0,),
+                       modes=("ar",), gammas=(1,))
+    rows = {r["mode"]: r for r in report["rows"] if r["category"] == "all"}
+    assert set(rows) == {"ar", "chain γ=1"}
+    assert rows["chain γ=1"]["greedy_differs_from_ar"] == 0
+    assert 1 < rows["chain γ=1"]["tokens_per_target_pass"] <= 2
+
+
 def test_without_a_draft_only_ar_and_lookup_run(target_only):
     configs, default = bench_modes(target_only)
     assert list(configs) == ["ar", "lookup"] and default == "ar"
