@@ -48,7 +48,7 @@ def chunks_of(ids: list[int], ctx: int, count: int) -> list[list[int]]:
     return [ids[i:i + ctx] for i in range(0, len(ids) - ctx + 1, step)][:count]
 
 
-def _log_softmax(z: np.ndarray) -> np.ndarray:
+def log_softmax(z: np.ndarray) -> np.ndarray:
     z = z.astype(np.float64)
     z = z - z.max(axis=-1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
@@ -66,7 +66,7 @@ def scored_logprobs(graph: Path, entry: ModelEntry, chunks: list[list[int]]
     for ids in chunks:
         session.cache.reset()
         half = len(ids) // 2
-        out.append(_log_softmax(session.forward(ids)[half - 1:len(ids) - 1]))
+        out.append(log_softmax(session.forward(ids)[half - 1:len(ids) - 1]))
     return out
 
 
@@ -77,7 +77,13 @@ def compare(model: tuple[Path, ModelEntry], reference: tuple[Path, ModelEntry],
         raise EdgespecError(f"the bundle's vocabulary ({model[1].vocab_size} tokens) differs "
                             f"from the reference's ({reference[1].vocab_size}); compare a "
                             "bundle with the model it was exported from.")
-    ref, got = scored_logprobs(*reference, chunks), scored_logprobs(*model, chunks)
+    return figures(scored_logprobs(*reference, chunks), scored_logprobs(*model, chunks),
+                   chunks)
+
+
+def figures(ref: list[np.ndarray], got: list[np.ndarray], chunks: list[list[int]]) -> Quality:
+    """The figures of log-probabilities `got` against `ref` (scored_logprobs' layout:
+    one [ctx/2, V] array per chunk) on `chunks`, whichever runtime computed them."""
     targets = np.concatenate([np.asarray(c[len(c) // 2:]) for c in chunks])
     ref, got = np.concatenate(ref), np.concatenate(got)
     kl = (np.exp(ref) * (ref - got)).sum(-1)
