@@ -203,14 +203,11 @@ def default_head(source: Source) -> Path | None:
     return shipped_head(adapter_for(source.load()).embeddings())
 
 
-def _hessians(tmp: Path, source: Source, calibration: str | Path, quant: str,
+def _hessians(tmp: Path, graph: ModelEntry, source: Source, calibration: str | Path,
               progress: Progress) -> dict[str, np.ndarray]:
-    """XᵀX of every linear's input in the float model, rotated for `quant` "rot" (the
-    inputs the quantized weights will multiply), measured on `calibration` ("self": the
-    model's own answers to the built-in prompts, or a text file); the calibration graph
-    is removed afterwards."""
-    graph = _export_model(source, "calibration", tmp, "fp32", 32, 0, "cpu",
-                          "rot" if quant == "rot" else "sym", progress, stats=True)
+    """XᵀX of every linear's input, measured with `graph` (a float graph built with
+    calibrate's statistics outputs) on `calibration`: "self" (the model's own answers to
+    the built-in prompts) or a text file."""
     prompts = default_prompts()
     text = None if calibration == "self" else Path(calibration)
     task = progress.add_task("calibrating: " + ("the model's own generations" if text is None
@@ -221,6 +218,17 @@ def _hessians(tmp: Path, source: Source, calibration: str | Path, quant: str,
                               text, prompts, advance=lambda: progress.advance(task))
     finally:
         progress.update(task, visible=False)
+
+
+def _rotated_hessians(tmp: Path, source: Source, calibration: str | Path,
+                      progress: Progress) -> dict[str, np.ndarray]:
+    """_hessians on the rotated float model, whose inputs are what `--quant rot`'s int8
+    weights multiply; the calibration graph is removed afterwards."""
+    graph = _export_model(source, "calibration", tmp, "fp32", 32, 0, "cpu", "rot", progress,
+                          stats=True)
+    try:
+        return _hessians(tmp, graph, source, calibration, progress)
+    finally:
         for name in (graph.graph, *graph.data_files):
             (tmp / name).unlink(missing_ok=True)
 
@@ -385,10 +393,13 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             reference = hessians = None
             recipe = floats and uses_recipe(quant, precision, ep_profile, nested)
             if recipe or quant == "rot" and precision != "fp32":
+                # the recipe calibrates on the reference itself (statistics outputs)
                 reference = _export_model(target_src, "reference", tmp, "fp32", 32, 0, "cpu",
-                                          "sym", progress)
-            if calibration and (recipe or quant == "rot" and precision == "int8"):
-                hessians = _hessians(tmp, target_src, calibration, quant, progress)
+                                          "sym", progress, stats=recipe and bool(calibration))
+            if calibration and recipe:
+                hessians = _hessians(tmp, reference, target_src, calibration, progress)
+            elif calibration and quant == "rot" and precision == "int8":
+                hessians = _rotated_hessians(tmp, target_src, calibration, progress)
             target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, quant, progress,
                                          nested="shared" if nested else None,
@@ -408,7 +419,7 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             if target_scales is not None or (kept is not None and nested):
                 target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                              accuracy_level, ep_profile, quant, progress,
-                                                 nested="shared" if nested else None,
+                                             nested="shared" if nested else None,
                                              draft_head_rows=kept if nested else None,
                                              kv_scales=target_scales,
                                              hidden_output=head is not None,
