@@ -247,3 +247,22 @@ def test_quantized_agreement_with_the_fp16_model(tmp_path, demo_target, precisio
     top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
     print(f"{precision}: top-1 agreement {top1:.3f}, mean KL {kl:.4f}")
     assert top1 >= min_top1 and kl <= max_kl
+
+
+def test_a_model_too_big_for_its_hessians_calibrates_importance_only(tmp_path, demo_target,
+                                                                    monkeypatch):
+    """Past calibrate.GRAM_BUDGET an export measures each linear input's squares only:
+    the importance-weighted search without GPTQ. Each step of information counts, on text
+    calibration never saw: GPTQ (XᵀX) < importance (its diagonal) < none, in KL."""
+    from edgespec.export import calibrate
+
+    def kl(**options) -> float:
+        out = tmp_path / "b"
+        export(demo_target, out, draft="none", precision="int4", overwrite=True,
+               summary=False, **options)
+        return json.loads((out / "edgespec.json").read_text())["provenance"]["quality"]["kl"]
+
+    gptq = kl()
+    monkeypatch.setattr(calibrate, "GRAM_BUDGET", 0)
+    importance = kl()
+    assert gptq < importance < kl(calibration=None)

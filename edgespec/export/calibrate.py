@@ -11,6 +11,7 @@ The float graph runs in edgespec's own runtime with one extra output per MatMul,
 `stat.<node>` = XᵀX of its input over the pass's tokens, so the statistics are those of
 exactly the computation being quantized, for every architecture the exporter supports
 (for `--quant rot` the rotated graph, whose inputs are what the int8 weights multiply).
+A model too large for all its XᵀX at once (GRAM_BUDGET) gets the diagonal only.
 """
 
 from __future__ import annotations
@@ -31,24 +32,38 @@ from edgespec.tokenizer import Tokenizer
 
 MAX_LEN = 512  # positions per calibration sequence
 PREFIX = "stat."
+# XᵀX of every linear's input at once: ~1.2 GB for SmolLM2-135M, 15 GB for a 1B model,
+# whose export then calibrates importance weights only (the diagonal)
+GRAM_BUDGET = 4 << 30
 
 
-def add_stat_outputs(model: onnx.ModelProto) -> dict[str, int]:
+def add_stat_outputs(model: onnx.ModelProto, budget: int | None = None) -> bool:
     """Give every MatMul over a weight initializer [K, N] an output `stat.<its name>`:
-    XᵀX of its input over the pass's tokens, [1, K, K]. Returns name -> K."""
+    XᵀX of its input over the pass's tokens, [1, K, K], when all of them fit in `budget`
+    bytes (the outputs in float32 and their sums in float64), else only its diagonal, the
+    sum of the input squared, [1, K] (importance weights without GPTQ). Returns whether
+    the whole matrices are measured. `budget` None: GRAM_BUDGET."""
     graph = model.graph
     widths = {t.name: t.dims[0] for t in graph.initializer if len(t.dims) == 2}
-    names = {}
-    for node in list(graph.node):
-        if node.op_type != "MatMul" or node.input[1] not in widths:
-            continue
+    linears = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in widths]
+    gram = sum(widths[n.input[1]] ** 2 for n in linears) * 12 <= (
+        GRAM_BUDGET if budget is None else budget)
+    graph.initializer.append(helper.make_tensor("stat.axes", TensorProto.INT64, [1], [1]))
+    for node in linears:
         x, out, k = node.input[0], PREFIX + node.name, widths[node.input[1]]
-        graph.node.extend([  # [1, S, K] -> [1, K, K]
-            helper.make_node("Transpose", [x], [f"{out}.xt"], name=f"{out}.xt", perm=[0, 2, 1]),
-            helper.make_node("MatMul", [f"{out}.xt", x], [out], name=out)])
-        graph.output.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, [1, k, k]))
-        names[out] = k
-    return names
+        if gram:  # [1, S, K] -> [1, K, K]
+            graph.node.extend([
+                helper.make_node("Transpose", [x], [f"{out}.xt"], name=f"{out}.xt",
+                                 perm=[0, 2, 1]),
+                helper.make_node("MatMul", [f"{out}.xt", x], [out], name=out)])
+        else:
+            graph.node.extend([
+                helper.make_node("Mul", [x, x], [f"{out}.sq"], name=f"{out}.sq"),
+                helper.make_node("ReduceSum", [f"{out}.sq", "stat.axes"], [out], name=out,
+                                 keepdims=0)])
+        graph.output.append(helper.make_tensor_value_info(
+            out, TensorProto.FLOAT, [1, k, k] if gram else [1, k]))
+    return gram
 
 
 def own_generations(session: DecoderSession, tokenizer: Tokenizer, prompts: list[str],
@@ -93,8 +108,9 @@ def second_moments(graph: Path, entry: ModelEntry, tokenizer: Tokenizer,
                    text: Path | None, prompts: list[str], new_tokens: int = 64,
                    advance: Callable[[], None] = lambda: None) -> dict[str, np.ndarray]:
     """XᵀX per token [K, K] of every MatMul's input in the float `graph` (built with
-    add_stat_outputs), keyed by node name with a part index dropped ("qkv0" -> "qkv":
-    the parts of a weight share its input)."""
+    add_stat_outputs; its diagonal [K] where the graph measures only that), keyed by node
+    name with a part index dropped ("qkv0" -> "qkv": the parts of a weight share its
+    input)."""
     session = DecoderSession(graph, entry, ["CPUExecutionProvider"],
                              max_len=min(entry.max_positions, MAX_LEN))
     sequences = (text_chunks(text, tokenizer, session.max_len) if text

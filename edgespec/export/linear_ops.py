@@ -61,7 +61,7 @@ def weight_codes(g: GraphBuilder, weight: np.ndarray, store: str) -> tuple[str, 
     name), else round-to-nearest."""
     def make() -> str:
         hessian = g.hessians.get(store)
-        if hessian is None:
+        if hessian is None or hessian.ndim == 1:  # no XᵀX measured (calibrate's budget)
             codes, scale = quantize_rows_u8(weight)
         else:
             from edgespec.quant.gptq import gptq_int8

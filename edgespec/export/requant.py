@@ -5,7 +5,8 @@ XᵀX (`hessians`, keyed like the graph's MatMul nodes: "layers.3.qkv", "layers.
 "layers.3.gate_up", "layers.3.down", "lm_head"), the search is weighted by its diagonal
 (the importance of each input column, llama.cpp's imatrix) and GPTQ chooses the codes
 on the searched blocks; a tied head keeps round-to-nearest codes, since they are the
-embedding's rows too.
+embedding's rows too. Where calibration measured only the diagonal (a model too large
+for all its XᵀX at once, see calibrate), it weights the search alone.
 Fused weights are cut into their parts first, since q/k/v and gate/up may get different
 types; parts of one type are fused again (one MatMulNBits). A tied embedding is the
 quantized head itself, so the graph gathers it from the head's codes: stored once.
@@ -37,12 +38,12 @@ class Requantizer:
                           w.shape[1])
         if qtype is None:
             return w
-        hessian = (self.hessians or {}).get(key)
-        if hessian is None:
+        stat = (self.hessians or {}).get(key)
+        if stat is None:
             return quantize_weight(w, qtype)
-        if w is self.adapter.embeddings():
-            return quantize_weight(w, qtype, np.diag(hessian).copy())
-        return quantize_weight(w, qtype, hessian=hessian)
+        if stat.ndim == 1 or w is self.adapter.embeddings():  # importance weights only
+            return quantize_weight(w, qtype, stat if stat.ndim == 1 else np.diag(stat).copy())
+        return quantize_weight(w, qtype, hessian=stat)
 
     def parts(self, w: Weight | list[Weight], kinds: tuple[str, ...], sizes: list[int],
               layer: int, key: str) -> Weight | list[Weight]:
