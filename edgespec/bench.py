@@ -53,13 +53,13 @@ def bench_modes(engine: Engine, wanted: tuple[str, ...] = (),
     always, the ratios need it) plus a chain of each length in `gammas`, and the label of
     the one `edgespec generate` runs with no flags ("default" only when it equals none of
     the others)."""
-    default = replace(GenerationConfig(), mode=engine.default_mode)
+    default = engine.resolve(GenerationConfig())
     entries = [(key, label, fields, key in wanted) for key, (label, fields) in MODES.items()]
     entries[-1:-1] = [("chain", f"chain γ={g}", dict(mode="spec", draft_tokens=g), True)
                       for g in gammas]  # before "default", which keeps a named twin's name
     configs: dict[str, GenerationConfig] = {}
     for key, label, fields, asked in entries:
-        config = GenerationConfig(**fields) if fields else default
+        config = engine.resolve(GenerationConfig(**fields)) if fields else default
         if (wanted and not asked and key != "ar") or \
                 (config.mode == "spec" and engine.draft is None and not asked):
             continue  # asked for, it runs into the engine's own refusal at warm-up

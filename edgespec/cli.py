@@ -277,8 +277,9 @@ def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
 @click.option("--seed", type=click.IntRange(min=0), help="Seed for sampling.")
 @click.option("--stop", multiple=True, help="End the text at this string (repeatable).")
 @mode_option
-@click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1, 64),
-              help="Tokens drafted per target pass (chains).")
+@click.option("--draft-tokens", type=click.IntRange(1, 64),
+              help="Tokens drafted per target pass (chains) [default: 1 with a draft head, "
+                   "else 4].")
 @click.option("--tree-budget", default=0, show_default=True, type=click.IntRange(0, 1024),
               help="Spec mode: verify a draft token tree of this many nodes (0: a chain).")
 @click.option("--adaptive/--fixed", default=False, show_default=True,
@@ -292,7 +293,7 @@ def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(prompt: str | None, model: str | None, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...], mode: str,
-             draft_tokens: int,
+             draft_tokens: int | None,
              tree_budget: int, adaptive: bool, stop_rule: str, runtime: dict,
              as_chat: bool, as_json: bool) -> None:
     """Continue PROMPT (or stdin) with the model, or answer it (--chat)."""

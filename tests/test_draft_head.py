@@ -238,6 +238,12 @@ def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):
             ar = engine.generate(prompt, max_new_tokens=40, temperature=0, mode="ar")
             assert spec.token_ids == ar.token_ids
             assert spec.stats.draft_passes > 0
+            # a head's chains default to one draft token per verify pass (the prefill
+            # drafts nothing); asked for, it drafts four
+            assert spec.stats.drafted <= spec.stats.target_passes - 1
+            four = engine.generate(prompt, max_new_tokens=40, temperature=0, draft_tokens=4)
+            assert four.token_ids == ar.token_ids
+            assert four.stats.drafted > 2 * (four.stats.target_passes - 1)
 
 
 def test_a_head_for_another_model_is_refused(tiny, trained, tmp_path, demo_target):
