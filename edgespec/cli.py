@@ -153,7 +153,8 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     from edgespec.export.source import is_gguf
 
     given = click.get_current_context().get_parameter_source("precision")
-    if is_gguf(Path(target)) and not requantize and given != click.core.ParameterSource.DEFAULT:
+    if (is_gguf(Path(target)) and not requantize and quant != "rot"  # rot dequantizes all
+            and given != click.core.ParameterSource.DEFAULT):
         err.print(f"note: {target}'s quantized tensors keep their GGUF types; --precision "
                   "applies to its float tensors only (add --requantize to quantize every "
                   f"tensor to {precision}).", highlight=False)
