@@ -312,6 +312,23 @@ def test_fingerprints_recognise_a_model_in_any_precision(demo_target):
     assert not matches(fingerprint(other), trained_on)
 
 
+def test_the_repos_gemma_head_was_trained_on_the_registrys_gemma():
+    """tools/drafts' Gemma-3-270M head drafts for that very file (and not for SmolLM2),
+    and fits its width and vocabulary."""
+    from edgespec.export.architectures import adapter_for
+    from edgespec.export.draft_head import fingerprint, load_head, matches
+    from edgespec.export.gguf_reader import load_gguf
+    from tests.real_models import gemma_gguf, smollm2_gguf
+
+    head = load_head(REPO_HEAD.with_name("gemma-3-270m.npz"))
+    gemma = adapter_for(load_gguf(gemma_gguf()))
+    assert matches(fingerprint(gemma.embeddings()), head.fingerprint)
+    assert not matches(fingerprint(adapter_for(load_gguf(smollm2_gguf())).embeddings()),
+                       head.fingerprint)
+    assert head.config.hidden_size == gemma.spec.hidden_size
+    assert head.kept.max() < gemma.spec.vocab_size and len(head.kept) == 8192
+
+
 @pytest.fixture(scope="module", params=["k", "rot"])
 def smollm2(request, tmp_path_factory):
     """The registry's SmolLM2 GGUF with the head trained on it: the default export (the
