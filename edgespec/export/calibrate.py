@@ -48,7 +48,8 @@ def add_stat_outputs(model: onnx.ModelProto, budget: int | None = None) -> bool:
     linears = [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in widths]
     gram = sum(widths[n.input[1]] ** 2 for n in linears) * 12 <= (
         GRAM_BUDGET if budget is None else budget)
-    graph.initializer.append(helper.make_tensor("stat.axes", TensorProto.INT64, [1], [1]))
+    if not gram:
+        graph.initializer.append(helper.make_tensor("stat.axes", TensorProto.INT64, [1], [1]))
     for node in linears:
         x, out, k = node.input[0], PREFIX + node.name, widths[node.input[1]]
         if gram:  # [1, S, K] -> [1, K, K]
