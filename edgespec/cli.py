@@ -216,11 +216,17 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
               help="Tokens the head can propose (VocabTrim).")
 @click.option("--max-new-tokens", default=128, show_default=True, type=click.IntRange(8))
 @click.option("--greedy-only", is_flag=True, help="Learn from greedy answers only.")
+@click.option("--text", "texts", multiple=True, type=click.Path(path_type=Path),
+              help="A text file, or a directory of them, that the target reads too: "
+                   "its states along any text are training data, several times cheaper "
+                   "per token than answers (repeatable).")
+@click.option("--text-tokens", default=150_000, show_default=True, type=click.IntRange(1),
+              help="Tokens of --text to read, in windows drawn at random.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--threads", default=0, type=click.IntRange(0), help="PyTorch threads.")
 def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None, steps: int,
-                unroll: int, kept: int, max_new_tokens: int, greedy_only: bool, seed: int,
-                threads: int) -> None:
+                unroll: int, kept: int, max_new_tokens: int, greedy_only: bool,
+                texts: tuple[Path, ...], text_tokens: int, seed: int, threads: int) -> None:
     """Train an EAGLE draft head for TARGET (a .gguf file or checkpoint directory) from
     the target alone; `edgespec export TARGET --draft OUT` then speculates with it."""
     import tempfile
@@ -228,7 +234,7 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
     try:
         import torch
 
-        from edgespec.train.data import read_prompts
+        from edgespec.train.data import read_prompts, read_texts
         from edgespec.train.trainer import TrainOptions
         from edgespec.train.trainer import train_draft as run
     except ImportError as e:
@@ -241,11 +247,12 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
     if threads:
         torch.set_num_threads(threads)
     opts = TrainOptions(steps=steps, unroll=unroll, kept=kept, max_new_tokens=max_new_tokens,
-                        sampled=not greedy_only, seed=seed)
+                        sampled=not greedy_only, seed=seed, text_tokens=text_tokens)
+    text = read_texts(list(texts)) if texts else None
     with tempfile.TemporaryDirectory(prefix="edgespec-source-") as scratch:
         source = open_source(target, Path(scratch))
         head = run(source, out, work or out.with_name(out.stem + ".work"),
-                   read_prompts(prompts) if prompts else None, opts, console=err)
+                   read_prompts(prompts) if prompts else None, opts, console=err, texts=text)
     err.print(f"wrote {out}: {head.params / 1e6:.2f} M parameters, {len(head.kept)} tokens; "
               f"card in {out.with_suffix('.json')}.")
 

@@ -3,6 +3,7 @@ exported head graph against its PyTorch definition, and heads in real bundles.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -223,6 +224,57 @@ def test_train_data_reads_the_states_a_head_is_trained_on(tiny, tmp_path):
     with torch.no_grad():
         states = model.model(torch.from_numpy(ids)[None]).last_hidden_state[0].numpy()
     assert np.abs(target.features[:12] - states).max() < 1e-4
+
+
+def test_read_along_gives_the_states_of_reading_each_window_alone(tiny, tmp_path):
+    """--text: the target reads random windows of the texts until the token budget is
+    spent; each window's states are transformers' last_hidden_state over that window."""
+    import torch
+
+    from edgespec.export import export
+    from edgespec.tokenizer import Tokenizer
+    from edgespec.train.data import read_along
+
+    path, model = tiny
+    export(path, tmp_path / "b", draft="none", precision="fp32")
+    texts = ["def parse(text):\n    return [w for w in text.split() if w]\n" * 3,
+             "The quick brown fox jumps over the lazy dog. " * 4]
+    windows = read_along(tmp_path / "b", texts, 9, 40, 0, 1, lambda n: None)
+    assert sum(len(w.tokens) for w in windows) == 40
+    pieces = {tuple(ids[i:i + 9]) for ids in map(Tokenizer.from_dir(tmp_path / "b").encode, texts)
+              for i in range(0, len(ids), 9)}
+    for w in windows:
+        assert any(tuple(w.tokens) == p[:len(w.tokens)] for p in pieces)
+        with torch.no_grad():
+            states = model.model(torch.from_numpy(w.tokens)[None]).last_hidden_state[0]
+        assert np.abs(w.states.astype(np.float32) - states.numpy()).max() < 2e-3  # float16
+
+
+def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_path):
+    from tests.test_cli import run
+
+    path, _ = tiny
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.py").write_text("import os\nfor name in os.listdir('.'):\n    print(name)\n" * 5)
+    (corpus / "sub" / "b.md").write_text("# Notes\n\nA stack is last in, first out. " * 5)
+    (corpus / "blob.bin").write_bytes(bytes(range(256)))
+    (tmp_path / "prompts.txt").write_text("def parse(text):\n")
+    env = {"EDGESPEC_CACHE": str(tmp_path / "cache")}
+    common = ["--steps", "2", "--kept", "256", "--max-new-tokens", "8", "--greedy-only",
+              "--prompts", str(tmp_path / "prompts.txt")]
+    out = run("train-draft", str(path), "--out", str(tmp_path / "h.npz"), *common,
+              "--text", str(corpus), "--text-tokens", "100", env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    card = json.loads((tmp_path / "h.json").read_text())
+    assert card["text"]["files"] == 2  # the binary file is not text
+    assert card["text"]["tokens"] == 100 and card["text"]["windows"] >= 1
+    for bad, message in ((tmp_path / "missing", "does not exist"),
+                         (corpus / "blob.bin", "cannot read")):
+        out = run("train-draft", str(path), "--out", str(tmp_path / "x.npz"), *common,
+                  "--text", str(bad), env=env)
+        assert out.returncode != 0 and message in out.stderr
+        assert "Traceback" not in out.stderr and not (tmp_path / "x.npz").exists()
 
 
 def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):

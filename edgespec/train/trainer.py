@@ -51,6 +51,7 @@ class TrainOptions:
     noise: float = 0.05  # relative uniform noise on the true input states (EAGLE)
     seed: int = 0
     gen_batch: int = 32
+    text_tokens: int = 150_000  # most tokens of --text the target reads
 
 
 def _progress(console: Console) -> Progress:
@@ -59,17 +60,29 @@ def _progress(console: Console) -> Progress:
         console=console)
 
 
+def _load(cache: Path) -> list[data.Conversation]:
+    with np.load(cache) as z:
+        cuts = np.cumsum(z["lengths"])[:-1]
+        return [data.Conversation(t, s) for t, s in zip(
+            np.split(z["tokens"], cuts), np.split(z["states"], cuts), strict=True)]
+
+
+def _save(convs: list[data.Conversation], cache: Path) -> None:
+    tmp = cache.with_suffix(".part.npz")
+    np.savez(tmp, lengths=np.array([len(c.tokens) for c in convs]),
+             tokens=np.concatenate([c.tokens for c in convs]),
+             states=np.concatenate([c.states for c in convs]))
+    tmp.replace(cache)
+
+
 def conversations(bundle: Path, prompts: list[str], opts: TrainOptions, work: Path,
                   console: Console) -> list[data.Conversation]:
     """The target's answers and states, cached in `work` (conversations.npz)."""
     cache = work / "conversations.npz"
     if cache.is_file():
-        with np.load(cache) as z:
-            lengths = z["lengths"]
-            tokens = np.split(z["tokens"], np.cumsum(lengths)[:-1])
-            states = np.split(z["states"], np.cumsum(lengths)[:-1])
-        console.print(f"reusing {len(lengths)} conversations from {cache}")
-        return [data.Conversation(t, s) for t, s in zip(tokens, states, strict=True)]
+        convs = _load(cache)
+        console.print(f"reusing {len(convs)} conversations from {cache}")
+        return convs
     temperatures = [0.0, 0.7] if opts.sampled else [0.0]
     convs = []
     with _progress(console) as progress:
@@ -78,12 +91,25 @@ def conversations(bundle: Path, prompts: list[str], opts: TrainOptions, work: Pa
             convs += data.generate(bundle, prompts, opts.max_new_tokens, temperature,
                                    opts.seed + i, torch.get_num_threads(),
                                    lambda t=task: progress.advance(t))
-    tmp = work / "conversations.part.npz"
-    np.savez(tmp, lengths=np.array([len(c.tokens) for c in convs]),
-             tokens=np.concatenate([c.tokens for c in convs]),
-             states=np.concatenate([c.states for c in convs]))
-    tmp.replace(cache)
+    _save(convs, cache)
     return convs
+
+
+def read_text(bundle: Path, texts: list[str], opts: TrainOptions, work: Path,
+              console: Console) -> list[data.Conversation]:
+    """The target's states along the user's text, cached in `work` (text.npz)."""
+    cache = work / "text.npz"
+    if cache.is_file():
+        windows = _load(cache)
+        console.print(f"reusing {len(windows)} text windows from {cache}")
+        return windows
+    with _progress(console) as progress:
+        task = progress.add_task("target reads the text", total=opts.text_tokens)
+        windows = data.read_along(bundle, texts, opts.seq_len + 1, opts.text_tokens, opts.seed,
+                                  torch.get_num_threads(),
+                                  lambda n: progress.advance(task, n))
+    _save(windows, cache)
+    return windows
 
 
 def windows(convs: list[data.Conversation], seq_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -121,7 +147,9 @@ def batch_of(items: list[tuple[np.ndarray, np.ndarray]], unroll: int):
 
 def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None = None,
                 opts: TrainOptions | None = None, resume: bool = True,
-                console: Console | None = None) -> DraftHead:
+                console: Console | None = None,
+                texts: list[tuple[str, str]] | None = None) -> DraftHead:
+    """`texts`: (name, text) pairs the target reads besides answering (data.read_texts)."""
     console = console or Console(stderr=True)
     opts = opts or TrainOptions()
     work.mkdir(parents=True, exist_ok=True)
@@ -131,7 +159,10 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     adapter = adapter_for(source.load())
     spec = adapter.spec
     prompts = prompts or data.builtin_prompts()
-    convs = conversations(cached_bundle(source.name, console), prompts, opts, work, console)
+    bundle = cached_bundle(source.name, console)
+    convs = conversations(bundle, prompts, opts, work, console)
+    read = read_text(bundle, [t for _, t in texts], opts, work, console) if texts else []
+    convs = convs + read
     answers = np.concatenate([c.tokens for c in convs])
     counts = np.bincount(answers, minlength=spec.vocab_size)
     kept = kept_tokens(counts, min(opts.kept, spec.vocab_size), source.eos_ids)
@@ -201,7 +232,9 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     recent = np.mean(history[-50:], axis=0)
     card = {
         "target": Path(source.name).name, "prompts": len(prompts),
-        "conversations": len(convs), "tokens": int(len(answers)),
+        "conversations": len(convs) - len(read), "tokens": int(len(answers)),
+        "text": {"files": len(texts or []), "windows": len(read),
+                 "tokens": int(sum(len(c.tokens) for c in read))},
         "options": asdict(opts), "seconds": round(time.time() - started, 1),
         "final_loss": round(float(recent[0]), 4),
         "train_top1_by_step": [round(float(x), 4) for x in recent[1:]],
