@@ -142,12 +142,20 @@ def read_along(bundle: Path, texts: list[str], window: int, max_tokens: int, see
                threads: int, on_window: Callable[[int], None]) -> list[Conversation]:
     """The target reads windows of `window` tokens cut from the texts, in a seeded random
     order, until `max_tokens` are read; each from an empty cache, so its states are those
-    of reading the window alone."""
+    of reading the window alone. The texts are tokenized in a random order too, and only
+    until they hold four times the budget: a big corpus costs what is drawn from it."""
     _, tokenizer, target = _target(bundle, threads)
-    pieces = [ids[start:start + window] for ids in map(tokenizer.encode, texts)
-              for start in range(0, len(ids) - 2, window)]
+    rng = np.random.default_rng(seed)
+    pieces: list[list[int]] = []
+    held = 0
+    for i in rng.permutation(len(texts)):
+        ids = tokenizer.encode(texts[i])
+        pieces += [ids[start:start + window] for start in range(0, len(ids) - 2, window)]
+        held += len(ids)
+        if held >= 4 * max_tokens:
+            break
     out, read = [], 0
-    for i in np.random.default_rng(seed).permutation(len(pieces)):
+    for i in rng.permutation(len(pieces)):
         piece = pieces[i][:max_tokens - read]
         if len(piece) < 3:
             break
