@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,56 +61,53 @@ def _progress(console: Console) -> Progress:
         console=console)
 
 
-def _load(cache: Path) -> list[data.Conversation]:
-    with np.load(cache) as z:
-        cuts = np.cumsum(z["lengths"])[:-1]
-        return [data.Conversation(t, s) for t, s in zip(
-            np.split(z["tokens"], cuts), np.split(z["states"], cuts), strict=True)]
-
-
-def _save(convs: list[data.Conversation], cache: Path) -> None:
+def _cached(cache: Path, what: str, console: Console,
+            make: Callable[[], list[data.Conversation]]) -> list[data.Conversation]:
+    """`make()`'s sequences, or those it made on an earlier run (kept in `cache`)."""
+    if cache.is_file():
+        with np.load(cache) as z:
+            cuts = np.cumsum(z["lengths"])[:-1]
+            convs = [data.Conversation(t, s) for t, s in zip(
+                np.split(z["tokens"], cuts), np.split(z["states"], cuts), strict=True)]
+        console.print(f"reusing {len(convs)} {what} from {cache}")
+        return convs
+    convs = make()
     tmp = cache.with_suffix(".part.npz")
     np.savez(tmp, lengths=np.array([len(c.tokens) for c in convs]),
              tokens=np.concatenate([c.tokens for c in convs]),
              states=np.concatenate([c.states for c in convs]))
     tmp.replace(cache)
+    return convs
 
 
 def conversations(bundle: Path, prompts: list[str], opts: TrainOptions, work: Path,
                   console: Console) -> list[data.Conversation]:
     """The target's answers and states, cached in `work` (conversations.npz)."""
-    cache = work / "conversations.npz"
-    if cache.is_file():
-        convs = _load(cache)
-        console.print(f"reusing {len(convs)} conversations from {cache}")
+    def answer() -> list[data.Conversation]:
+        convs = []
+        with _progress(console) as progress:
+            for i, temperature in enumerate([0.0, 0.7] if opts.sampled else [0.0]):
+                task = progress.add_task(f"target answers (T={temperature})",
+                                         total=len(prompts))
+                convs += data.generate(bundle, prompts, opts.max_new_tokens, temperature,
+                                       opts.seed + i, torch.get_num_threads(),
+                                       lambda t=task: progress.advance(t))
         return convs
-    temperatures = [0.0, 0.7] if opts.sampled else [0.0]
-    convs = []
-    with _progress(console) as progress:
-        for i, temperature in enumerate(temperatures):
-            task = progress.add_task(f"target answers (T={temperature})", total=len(prompts))
-            convs += data.generate(bundle, prompts, opts.max_new_tokens, temperature,
-                                   opts.seed + i, torch.get_num_threads(),
-                                   lambda t=task: progress.advance(t))
-    _save(convs, cache)
-    return convs
+
+    return _cached(work / "conversations.npz", "conversations", console, answer)
 
 
 def read_text(bundle: Path, texts: list[str], opts: TrainOptions, work: Path,
               console: Console) -> list[data.Conversation]:
     """The target's states along the user's text, cached in `work` (text.npz)."""
-    cache = work / "text.npz"
-    if cache.is_file():
-        windows = _load(cache)
-        console.print(f"reusing {len(windows)} text windows from {cache}")
-        return windows
-    with _progress(console) as progress:
-        task = progress.add_task("target reads the text", total=opts.text_tokens)
-        windows = data.read_along(bundle, texts, opts.seq_len + 1, opts.text_tokens, opts.seed,
-                                  torch.get_num_threads(),
-                                  lambda n: progress.advance(task, n))
-    _save(windows, cache)
-    return windows
+    def read() -> list[data.Conversation]:
+        with _progress(console) as progress:
+            task = progress.add_task("target reads the text", total=opts.text_tokens)
+            return data.read_along(bundle, texts, opts.seq_len + 1, opts.text_tokens,
+                                   opts.seed, torch.get_num_threads(),
+                                   lambda n: progress.advance(task, n))
+
+    return _cached(work / "text.npz", "text windows", console, read)
 
 
 def windows(convs: list[data.Conversation], seq_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
