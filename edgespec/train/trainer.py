@@ -1,8 +1,9 @@
 """`edgespec train-draft`: an EAGLE head for a target, from the target alone.
 
 1. The exported target answers the prompts (greedy, and T=0.7 unless told otherwise),
-its states recorded along each conversation (train.data); 2. the kept vocabulary is the K
-tokens most frequent in those conversations (VocabTrim); 3. the head learns, unrolled
+its states recorded along each conversation, and reads the user's text, if any, in random
+windows (train.data); 2. the kept vocabulary is the K tokens most frequent in those
+conversations and windows (VocabTrim); 3. the head learns, unrolled
 over `unroll` draft positions, to predict the target's next state (smooth L1) and its
 next-token distribution over the kept tokens (cross-entropy against the target's own,
 soft); 4. the head is written with a model card.
