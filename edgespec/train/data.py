@@ -111,8 +111,8 @@ TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".cpp", ".rs", ".go",
                  ".java", ".html", ".json", ".yaml", ".toml", ".sh", ".tex"}
 
 
-def read_texts(paths: list[Path]) -> list[tuple[str, str]]:
-    """(name, text) for each file given and each text file under each directory given;
+def read_texts(paths: list[Path]) -> list[str]:
+    """The text of each file given and of each text file under each directory given;
     a file that is not UTF-8 text is skipped inside a directory and refused when named."""
     out = []
     for path in paths:
@@ -126,12 +126,12 @@ def read_texts(paths: list[Path]) -> list[tuple[str, str]]:
                                 "holding them to --text.")
         for f in files:
             try:
-                out.append((str(f), f.read_text(encoding="utf-8")))
+                out.append(f.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError) as e:
                 if f is path:
                     raise EdgespecError(f"cannot read {f} as text ({e}); pass UTF-8 text "
                                         "files to --text.") from None
-    if not any(text.strip() for _, text in out):
+    if not any(text.strip() for text in out):
         raise EdgespecError("--text found no text in " + ", ".join(map(str, paths)) +
                             "; pass UTF-8 files (" + " ".join(sorted(TEXT_SUFFIXES)) +
                             ") or directories holding them.")

@@ -147,8 +147,8 @@ def batch_of(items: list[tuple[np.ndarray, np.ndarray]], unroll: int):
 def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None = None,
                 opts: TrainOptions | None = None, resume: bool = True,
                 console: Console | None = None,
-                texts: list[tuple[str, str]] | None = None) -> DraftHead:
-    """`texts`: (name, text) pairs the target reads besides answering (data.read_texts)."""
+                texts: list[str] | None = None) -> DraftHead:
+    """`texts`: what the target reads besides answering (data.read_texts)."""
     console = console or Console(stderr=True)
     opts = opts or TrainOptions()
     work.mkdir(parents=True, exist_ok=True)
@@ -160,7 +160,7 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     prompts = prompts or data.builtin_prompts()
     bundle = cached_bundle(source.name, console)
     convs = conversations(bundle, prompts, opts, work, console)
-    read = read_text(bundle, [t for _, t in texts], opts, work, console) if texts else []
+    read = read_text(bundle, texts, opts, work, console) if texts else []
     convs = convs + read
     answers = np.concatenate([c.tokens for c in convs])
     counts = np.bincount(answers, minlength=spec.vocab_size)
