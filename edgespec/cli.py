@@ -111,7 +111,7 @@ def cli() -> None:
               help="Draft weight precision (default: --precision).")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="32",
               show_default=True, help="Quantization block size along the input dimension "
-              "(16: int4 and nested codes that are bitwise batch-invariant on the CPU).")
+              "(the cuda and dml profiles run 4-bit codes in blocks of 16).")
 @click.option("--ep-profile", type=click.Choice(["cpu", "cuda", "dml"]), default="cpu",
               show_default=True, help="Execution provider the graphs are built for.")
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",

@@ -13,6 +13,7 @@ greedy trees must equal AR too.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 
 import edgespec
@@ -50,9 +51,15 @@ def test_nested_demo_target_chains_are_bitwise(tmp_path, demo_target):
 @pytest.mark.parametrize("kwargs", [dict(precision="int4"), dict(draft="nested")],
                          ids=["int4", "nested"])
 def test_4bit_blocks_of_32_are_exact_as_exported(tmp_path, demo_target, kwargs):
-    """At the default block size (32) too: 4-bit codes reach MatMulNBits in blocks of 16
-    (graph.invariant), whose one-row and multi-row kernels agree."""
+    """At the default block size (32) too, and with MatMulNBits reading the codes in
+    blocks of 32, whose one-row kernel differs from its multi-row one: no pass has one
+    row (export.exact_rows)."""
     export(demo_target, tmp_path / "b", **kwargs)
+    graph = onnx.load(str(tmp_path / "b" / "target.onnx"), load_external_data=False).graph
+    blocks = {next(a.i for a in n.attribute if a.name == "block_size") for n in graph.node
+              if n.op_type == "MatMulNBits" and any(a.name == "bits" and a.i == 4
+                                                     for a in n.attribute)}
+    assert blocks == {32}
     assert_chains_exact(tmp_path / "b")
 
 

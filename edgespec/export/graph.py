@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from edgespec.export import exact_attention, linear_ops
+from edgespec.export import exact_rows, linear_ops
 from edgespec.export.architectures import DecoderSpec, LayerWeights, Weight
 from edgespec.quant.bitnest import NestedWeight, nest
 from edgespec.quant.blockwise import (
@@ -42,14 +42,19 @@ BITS = {"int8": 8, "int4": 4, "int2": 2}
 
 
 def invariant(q: QuantizedWeight) -> QuantizedWeight:
-    """4-bit codes in blocks of more than 16 run as MatMulNBits blocks of 16 (the same
-    weights; scales stored once, repeated at load). ONNX Runtime's one-row kernel for
-    4-bit blocks of 32 sums in another order than its multi-row kernel, so a token's
-    logits depended on how many tokens shared its pass (SmolLM2 Q4_1: 0.74 between a step
-    and a 5-token chain), and greedy speculation could leave AR's path at a near-tie. In
-    blocks of 16 they agree bitwise (8-bit codes do at every block size), at ~0.83x the
-    one-token speed (issue 15's bench_verify_cost, SmolLM2 Q4_1 S=1: 50.8 vs 42.0 ms)."""
+    """4-bit codes in blocks of more than 16 as MatMulNBits blocks of 16 (the same
+    weights; scales stored once, repeated at load), for graphs whose passes may have one
+    row (not the cpu profile's, see exact_rows). ONNX Runtime's one-row kernel for 4-bit
+    blocks of 32 sums in another order than its multi-row kernel, so a token's logits
+    depended on how many tokens shared its pass (SmolLM2 Q4_1: 0.74 between a step and a
+    5-token chain), and greedy speculation could leave AR's path at a near-tie. In blocks
+    of 16 they agree bitwise (8-bit codes do at every block size)."""
     return split_blocks(q, 16) if q.bits == 4 and q.block_size > 16 else q
+
+
+def one_row_exact(q: QuantizedWeight) -> bool:
+    """Whether MatMulNBits computes a row of these codes alike in one-row passes."""
+    return q.bits == 8 or q.block_size <= 16
 
 
 def rows_of(weight: Weight) -> int:
@@ -110,6 +115,7 @@ class GraphBuilder:
         self.pack_six = False  # see small_ints
         self.rowwise = False  # float weights as linear_ops.rowwise_int8 (a rotated export)
         self.hessians: dict[str, np.ndarray] = {}  # rowwise weights' inputs' XᵀX, for GPTQ
+        self.two_rows = False  # passes have two rows at least (exact_rows)
         self._six: list[tuple[str, np.ndarray]] = []
 
     def const(self, name: str, array: np.ndarray) -> str:
@@ -202,10 +208,10 @@ class GraphBuilder:
                              f"{name}.residual.pad")[0]
         return self.node("Add", [base, residual], [f"{name}.out"], f"{name}.nest")[0]
 
-    def gate_residuals(self) -> None:
-        """The rows the residual matmuls see, S * use_residual, and the Pad widths that
-        restore S rows: computed once per graph."""
-        s = self.node("Shape", ["input_ids"], ["gate.shape"], "gate.shape", start=1, end=2)[0]
+    def gate_residuals(self, x: str) -> None:
+        """The rows the residual matmuls see, S * use_residual (S: the rows of the stream
+        `x`), and the Pad widths that restore S rows: computed once per graph."""
+        s = self.node("Shape", [x], ["gate.shape"], "gate.shape", start=1, end=2)[0]
         use = self.node("Cast", ["use_residual"], ["gate.use"], "gate.use",
                         to=TensorProto.INT64)[0]
         rows = self.node("Mul", [s, use], ["gate.rows"], "gate.rows")[0]
@@ -355,7 +361,7 @@ class GraphBuilder:
             [f"{store}.zp"], f"{store}.zp")[0])
 
     def _nbits(self, x: str, q: QuantizedWeight, name: str, store: str | None = None) -> str:
-        store, q = store or name, invariant(q)
+        store, q = store or name, self.layout(q)
         inputs = [x, self.codes(store, q), self.rebuilt(store, "scales", q)]
         if self.zero_points or not q.symmetric:
             inputs.append(self.zero_point_input(store, q))
@@ -382,11 +388,15 @@ class GraphBuilder:
                            [f"{name}.min"], f"{name}.min")[0]
         return self.node("Add", [y, offset], [f"{name}.out.m"], f"{name}.addmin")[0]
 
+    def layout(self, q: QuantizedWeight) -> QuantizedWeight:
+        """The codes as MatMulNBits reads them: as they are where no pass has one row."""
+        return q if self.two_rows else invariant(q)
+
     def gather_rows(self, q: QuantizedWeight, ids: str, store: str) -> str:
         """Embedding rows straight from a quantized table (the tied LM head's own codes,
         stored once): S rows gathered, unpacked and dequantized, ((u - z) · s + m) as
         `dequantize` computes it."""
-        q = invariant(q)  # the layout the tied head's MatMulNBits reads
+        q = self.layout(q)  # the layout the tied head's MatMulNBits reads
         nb, block = q.packed.shape[1], q.block_size
         codes = self.node("Gather", [self.codes(store, q), ids],
                           [f"{store}.rows"], f"{store}.rows")[0]  # [1, S, nb, bytes]
@@ -488,18 +498,16 @@ def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seql
         attrs["scale"] = spec.attn_scale or spec.head_dim ** -0.5
     if spec.attn_softcap:
         attrs["softcap"] = spec.attn_softcap
-    positions, exact = "position_ids", g.dtype == np.float32  # cpu: see exact_attention
-    if exact:
-        qkv, positions, bias = (exact_attention.padded_qkv(g, qkv, p),
-                                exact_attention.padded_positions(g),
-                                exact_attention.padded_bias(g, bias))
-        seqlens_k, total = exact_attention.padded_lengths(g, seqlens_k, total)
+    positions = "position_ids"
+    if g.two_rows:  # the stream's rows: see exact_rows
+        positions, bias = exact_rows.padded_positions(g), exact_rows.padded_bias(g, bias)
+        seqlens_k, total = exact_rows.padded_lengths(g, seqlens_k, total)
     attn = g.node("GroupQueryAttention",
                   [*qkv, f"past_key_{i}", f"past_value_{i}", seqlens_k, total, *rope,
                    positions, bias, *quantized],
                   [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
                   domain=MS, **attrs)[0]
-    return exact_attention.first_rows(g, attn, f"{p}.attn") if exact else attn
+    return attn
 
 
 def mha(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], rope: list[str],
@@ -621,6 +629,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     g.pack_six = True
     g.rowwise = rotation is not None and precision == "int8"
     g.hessians = hessians or {}
+    g.two_rows = attention == "gqa" and g.dtype == np.float32  # the cpu profile
     tied = embeddings is lm_head
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew
         embeddings, lm_head = as_float(embeddings), as_float(lm_head)
@@ -637,7 +646,6 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                                             [1, 1, s_dim, t_dim])]
     if nested == "shared":
         inputs.append(helper.make_tensor_value_info("use_residual", TensorProto.BOOL, []))
-        g.gate_residuals()
     # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
     vocab = "vocab" if draft_head_rows is not None else rows_of(lm_head)
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, s_dim, vocab])]
@@ -674,6 +682,11 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
         features = "hidden_in" if g.dtype == np.float32 else g.node(
             "Cast", ["hidden_in"], ["hidden_in.c"], "hidden_in.cast", to=g.onnx_dtype)[0]
         x = g.node("Concat", [x, features], ["fusion.in"], "fusion.concat", axis=-1)[0]
+    if g.two_rows:
+        x = exact_rows.two_rows(g, x)
+    if nested == "shared":
+        g.gate_residuals(x)
+    if fusion is not None:
         x = g.linear(x, fusion, "fusion")
     bias = "attention_bias"
     if g.dtype != np.float32:
@@ -796,6 +809,11 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     h, _, _, _ = g.node("SkipSimplifiedLayerNormalization",
                         [resid, delta, g.fconst("final_norm", final_norm)],
                         ["final.norm", "", "", ""], "final.norm", domain=MS, epsilon=eps)
+    # a head whose one-row kernel is exact reads the real rows alone (a row less to score)
+    cut_early = g.two_rows and not (isinstance(lm_head, QuantizedWeight) and not g.rowwise
+                                    and not one_row_exact(lm_head))
+    if cut_early:
+        h = exact_rows.real_rows(g, h, "final.norm")
     if rotation is not None:  # the rotated, weightless norm's output -> the head's input
         h = g.node("MatMul", [h, g.fconst("head_input", rotation.head_input)],
                    ["final.head_input"], "final.head_input")[0]
@@ -803,7 +821,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
             g.node("MatMul", [h, g.fconst("unrotate", rotation.unrotate)], ["hidden"],
                    "hidden")
     elif hidden_output:
-        g.node("Cast", [h], ["hidden"], "hidden", to=TensorProto.FLOAT)
+        hidden = h if cut_early or not g.two_rows else exact_rows.real_rows(g, h, "hidden")
+        g.node("Cast", [hidden], ["hidden"], "hidden", to=TensorProto.FLOAT)
     head_bits = 8 if precision in BITS else None
     if draft_head_rows is not None:
         logits = g.trimmed_nested_head(h, lm_head, draft_head_rows, "lm_head")
@@ -815,6 +834,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
         scaled = g.node("Div", [logits, cap], ["logits.scaled"], "softcap.div")[0]
         tanh = g.node("Tanh", [scaled], ["logits.tanh"], "softcap.tanh")[0]
         logits = g.node("Mul", [tanh, cap], ["logits.capped"], "softcap.mul")[0]
+    if g.two_rows and not cut_early:
+        logits = exact_rows.real_rows(g, logits, "logits")
     if g.dtype != np.float32:
         g.node("Cast", [logits], ["logits"], "logits", to=TensorProto.FLOAT)
     else:

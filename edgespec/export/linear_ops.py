@@ -6,15 +6,15 @@ tools/probe_batch_invariance.py): fp32 MatMul with a constant B, MatMulNBits wit
 codes (any block size) and with 4-bit codes in blocks of 16 give every row the same
 result whatever the number of rows; MatMulNBits with 4-bit codes in blocks of 32 or more
 routes a one-row product to its own kernel, which sums differently (~1e-6 per linear,
-amplified through the layers into logits that differ by ~0.8). The row-quantized int8
-GEMM here is invariant by construction: integer accumulation is exact and every scale
-belongs to one row or one column.
+amplified through the layers into logits that differ by ~0.8), and gives every row of a
+multi-row pass the same result. The row-quantized int8 GEMM here is invariant by
+construction: integer accumulation is exact and every scale belongs to one row or one
+column.
 
-So an export is invariant with 4-bit codes only in blocks of 16 (`--block-size 16`; GGUF
-4-bit types, blocks of 32, would need their blocks split in two with the scale repeated,
-or their codes widened to 8 bits, exactly the same weights either way). `rowwise_int8` is
-the integer GEMM (MLAS QGEMM, uint8 x uint8: the uint8 x int8 kernel of AVX2 saturates
-its 16-bit pair sums, measured wrong by up to 9e6 on full-range codes).
+So the cpu profile's passes never have one row (export.exact_rows), and elsewhere 4-bit
+codes run in blocks of 16 (graph.invariant). `rowwise_int8` is the integer GEMM (MLAS
+QGEMM, uint8 x uint8: the uint8 x int8 kernel of AVX2 saturates its 16-bit pair sums,
+measured wrong by up to 9e6 on full-range codes).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ class KVCache:
         an offloaded target holds its own)."""
         self.layers = range(entry.num_layers) if layers is None else layers
         # one spare slot: exact graphs write a pass's padding row after its tokens
-        # (edgespec.export.exact_attention)
+        # (edgespec.export.exact_rows)
         shape = [1, entry.num_kv_heads, max_len + 1, entry.head_dim]
         dtype = np.dtype(entry.kv_dtype)
         self.device, self.dtype = device, dtype
