@@ -337,10 +337,11 @@ def test_default_export_takes_the_shipped_head_trained_on_its_target(tiny, train
     assert read_manifest(tmp_path / "demo").draft is None
 
 
-# --- a head trained on the real SmolLM2-135M-Instruct (tools/drafts) --------------------
+# --- the head shipped for the real SmolLM2-135M-Instruct (edgespec/assets/drafts) --------
 
-REPO_HEAD = Path(__file__).resolve().parent.parent / "tools" / "drafts" / \
-    "smollm2-135m-instruct.npz"
+REPO = Path(__file__).resolve().parent.parent
+REPO_HEAD = REPO / "edgespec" / "assets" / "drafts" / "smollm2-135m-instruct.npz"
+GEMMA_HEAD = REPO / "tools" / "drafts" / "gemma-3-270m.npz"  # trained, not shipped
 # measured on 8 held-out chat prompts x 128 tokens at the default gamma=1: 1.28 (a
 # random head gives 1.0)
 HEAD_TOKENS_PER_PASS = 1.1
@@ -373,7 +374,7 @@ def test_the_repos_gemma_head_was_trained_on_the_registrys_gemma():
     from edgespec.export.gguf_reader import load_gguf
     from tests.real_models import gemma_gguf, smollm2_gguf
 
-    head = load_head(REPO_HEAD.with_name("gemma-3-270m.npz"))
+    head = load_head(GEMMA_HEAD)
     gemma = adapter_for(load_gguf(gemma_gguf()))
     assert matches(fingerprint(gemma.embeddings()), head.fingerprint)
     assert not matches(fingerprint(adapter_for(load_gguf(smollm2_gguf())).embeddings()),
@@ -384,14 +385,17 @@ def test_the_repos_gemma_head_was_trained_on_the_registrys_gemma():
 
 @pytest.fixture(scope="module", params=["k", "rot"])
 def smollm2(request, tmp_path_factory):
-    """The registry's SmolLM2 GGUF with the head trained on it: the default export (the
-    file's codes) and the rotated int8 one (the head reads the target's states in the
-    model's own basis either way)."""
+    """The registry's SmolLM2 GGUF exported with no --draft, which gives it the head
+    shipped for it: the default export (the file's codes) and the rotated int8 one (the
+    head reads the target's states in the model's own basis either way)."""
+    from edgespec.bundle import read_manifest
     from edgespec.export import export
     from tests.real_models import smollm2_gguf
 
     out = tmp_path_factory.mktemp("smollm2") / "b"
-    export(smollm2_gguf(), out, draft=REPO_HEAD, quant=request.param)
+    export(smollm2_gguf(), out, quant=request.param)
+    shipped = Path(read_manifest(out).draft.source)  # the installed package's copy
+    assert shipped.name == REPO_HEAD.name and shipped.read_bytes() == REPO_HEAD.read_bytes()
     return out
 
 
