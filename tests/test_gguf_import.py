@@ -148,8 +148,8 @@ def test_gemma_greedy_continuations_equal_transformers(gemma, tmp_path):
 @pytest.mark.parametrize("name", ["smollm2", "gemma"])
 def test_default_exports_are_batch_invariant(bundles, name):
     """A token's logits are bitwise the same fed alone or inside 5- and 17-token chains
-    (4-bit GGUF blocks run as blocks of 16, see gguf_codes), so speculation cannot
-    change a greedy answer even at a near-tie."""
+    (no pass has one row, see export.exact_rows), so speculation cannot change a greedy
+    answer even at a near-tie."""
     from edgespec.runtimes.exactness import measure
 
     engine = edgespec.load(bundles / name, device="cpu")

@@ -10,7 +10,7 @@ class (Q4_K -> Q5_0, Q6_K -> Q8_0): most of SmolLM2 (hidden size 576) is Q5_0.
 
 The quantized rows are GGUF's own bytes (kquants), encoded for MatMulNBits exactly as
 an imported GGUF file is (gguf_codes), so everything the import path supports — tied
-gathers, trimmed heads, fp16 compute, invariant blocks of 16 — holds here too.
+gathers, trimmed heads, fp16 compute, exact passes — holds here too.
 """
 
 from __future__ import annotations
