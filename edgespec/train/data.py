@@ -54,15 +54,22 @@ class Conversation:
 
 
 def with_hidden_output(path: Path) -> bytes:
-    """The target graph at `path` with its final-norm states as output `hidden`."""
+    """The target graph at `path` with its final-norm states as output `hidden`: those of
+    the pass's own tokens (a one-token pass carries a copy of its token, export.exact_rows)."""
     import onnx
     from onnx import TensorProto, helper
 
     model = onnx.load(str(path), load_external_data=False)
-    if not any(o.name == "hidden" for o in model.graph.output):
-        model.graph.node.append(helper.make_node("Cast", ["final.norm"], ["hidden"],
-                                                 to=TensorProto.FLOAT))
-        model.graph.output.append(helper.make_tensor_value_info(
+    graph = model.graph
+    if not any(o.name == "hidden" for o in graph.output):
+        graph.initializer.extend([helper.make_tensor("hidden.start", TensorProto.INT64, [1], [0]),
+                                  helper.make_tensor("hidden.axis", TensorProto.INT64, [1], [1])])
+        graph.node.extend([
+            helper.make_node("Shape", ["input_ids"], ["hidden.rows"], start=1, end=2),
+            helper.make_node("Slice", ["final.norm", "hidden.start", "hidden.rows",
+                                       "hidden.axis"], ["hidden.real"]),
+            helper.make_node("Cast", ["hidden.real"], ["hidden"], to=TensorProto.FLOAT)])
+        graph.output.append(helper.make_tensor_value_info(
             "hidden", TensorProto.FLOAT, [1, "sequence", "hidden"]))
     return model.SerializeToString()
 
