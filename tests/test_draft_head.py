@@ -298,6 +298,25 @@ def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):
             assert four.stats.drafted > 2 * (four.stats.target_passes - 1)
 
 
+def test_head_beside_an_int8_kv_target_matches_ar(tiny, trained, tmp_path):
+    """--kv-cache int8 quantizes the target's cache; the head's one-layer cache stays
+    float (its graph takes the target's states, so it is not calibrated alone)."""
+    import edgespec
+    from edgespec.bundle import read_manifest
+    from edgespec.export import export
+
+    path, _ = tiny
+    export(path, tmp_path / "b", draft=trained, kv_cache="int8")
+    manifest = read_manifest(tmp_path / "b")
+    assert manifest.target.kv_dtype == "int8" and manifest.draft.kv_dtype == "float32"
+    with edgespec.load(tmp_path / "b") as engine:
+        for prompt in ("def parse(text):", "x = [1, 2, 3]\nfor"):
+            spec = engine.generate(prompt, max_new_tokens=40, temperature=0)
+            assert spec.stats.draft_passes > 0
+            assert spec.token_ids == engine.generate(prompt, max_new_tokens=40,
+                                                     temperature=0, mode="ar").token_ids
+
+
 def test_a_head_for_another_model_is_refused(tiny, trained, tmp_path, demo_target):
     from edgespec.errors import EdgespecError
     from edgespec.export import export
@@ -337,11 +356,11 @@ def test_default_export_takes_the_shipped_head_trained_on_its_target(tiny, train
     assert read_manifest(tmp_path / "demo").draft is None
 
 
-# --- the head shipped for the real SmolLM2-135M-Instruct (edgespec/assets/drafts) --------
+# --- the heads shipped for the real models (edgespec/assets/drafts) -----------------------
 
-REPO = Path(__file__).resolve().parent.parent
-REPO_HEAD = REPO / "edgespec" / "assets" / "drafts" / "smollm2-135m-instruct.npz"
-GEMMA_HEAD = REPO / "tools" / "drafts" / "gemma-3-270m.npz"  # trained, not shipped
+SHIPPED = Path(__file__).resolve().parent.parent / "edgespec" / "assets" / "drafts"
+REPO_HEAD = SHIPPED / "smollm2-135m-instruct.npz"
+GEMMA_HEAD = SHIPPED / "gemma-3-270m.npz"
 # measured on 8 held-out chat prompts x 128 tokens at the default gamma=1: 1.28 (a
 # random head gives 1.0)
 HEAD_TOKENS_PER_PASS = 1.1
@@ -367,7 +386,7 @@ def test_fingerprints_recognise_a_model_in_any_precision(demo_target):
 
 
 def test_the_repos_gemma_head_was_trained_on_the_registrys_gemma():
-    """tools/drafts' Gemma-3-270M head drafts for that very file (and not for SmolLM2),
+    """The shipped Gemma-3-270M head drafts for that very file (and not for SmolLM2),
     and fits its width and vocabulary."""
     from edgespec.export.architectures import adapter_for
     from edgespec.export.draft_head import fingerprint, load_head, matches

@@ -158,6 +158,19 @@ def test_default_exports_are_batch_invariant(bundles, name):
     assert measure(engine.target, prefix, ids, trees=()).chain == {5: 0.0, 17: 0.0}
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma"])
+def test_default_exports_speculate_with_the_shipped_head(bundles, name):
+    """No --draft: the head shipped for the file is in the bundle, the default mode
+    drafts with it, and greedy output is the bundle's own AR output."""
+    engine = edgespec.load(bundles / name)
+    assert read_manifest(bundles / name).draft.kind == "eagle"
+    for prompt in ("The three primary colours are", "def fibonacci(n):"):
+        ids = engine.tokenizer.encode(prompt)
+        spec = engine.generate(ids, max_new_tokens=24)
+        assert spec.stats.mode == "spec" and spec.stats.drafted > 0
+        assert spec.token_ids == engine.generate(ids, max_new_tokens=24, mode="ar").token_ids
+
+
 def test_greedy_lookup_equals_ar_on_chat_prompts(bundles):
     engine = edgespec.load(bundles / "smollm2")
     for question in ("What is the capital of France?", "Repeat after me: red, green, blue, "

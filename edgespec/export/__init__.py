@@ -436,7 +436,8 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                 draft_entry = _export_model(draft_src, "draft", tmp, draft_precision,
                                             block_size, accuracy_level, ep_profile, quant,
                                             progress, head_rows=kept)
-            if draft_entry and sequences is not None:  # the draft meets the target's text
+            # the draft meets the target's text; a head's one-layer cache stays float
+            if draft_src and sequences is not None:
                 draft_entry = _export_model(
                     draft_src, "draft", tmp, draft_precision, block_size, accuracy_level,
                     ep_profile, quant, progress, head_rows=kept,
