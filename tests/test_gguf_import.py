@@ -194,7 +194,7 @@ def test_a_gguf_draft_speculates_losslessly(tmp_path):
 
 def test_bundles_are_no_bigger_than_the_files(bundles):
     for name, source in (("smollm2", smollm2_gguf()), ("gemma", gemma_gguf())):
-        # the encoding of the file's weights; SmolLM2's shipped draft head comes on top
+        # the encoding of the file's weights; the shipped draft head comes on top
         size = sum(f.stat().st_size for f in (bundles / name).iterdir()
                    if not f.name.startswith("draft"))
         assert size <= 1.1 * source.stat().st_size, (name, size / source.stat().st_size)
