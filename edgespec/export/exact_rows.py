@@ -103,6 +103,6 @@ def padded_lengths(g: GraphBuilder, seqlens_k: str, total: str) -> tuple[str, st
 
 def real_rows(g: GraphBuilder, x: str, name: str) -> str:
     """[1, S', ...] -> the pass's own S rows."""
-    return g.node("Slice", [x, g.const("exact.start", np.array([0], np.int64)), _rows(g),
+    return g.node("Slice", [x, g.const("exact.zero", np.array([0], np.int64)), _rows(g),
                             g.const("exact.axis1", np.array([1], np.int64))],
                   [f"{name}.real"], f"{name}.real")[0]

@@ -809,10 +809,11 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     h, _, _, _ = g.node("SkipSimplifiedLayerNormalization",
                         [resid, delta, g.fconst("final_norm", final_norm)],
                         ["final.norm", "", "", ""], "final.norm", domain=MS, epsilon=eps)
-    # a head whose one-row kernel is exact reads the real rows alone (a row less to score)
-    cut_early = g.two_rows and not (isinstance(lm_head, QuantizedWeight) and not g.rowwise
-                                    and not one_row_exact(lm_head))
-    if cut_early:
+    # a head whose one-row kernel is exact reads the real rows alone (a row less to score);
+    # an imported 4-bit head in blocks of 32 scores the copy too, cut from its logits
+    cut_late = (g.two_rows and isinstance(lm_head, QuantizedWeight) and not g.rowwise
+                and not one_row_exact(lm_head))
+    if g.two_rows and not cut_late:
         h = exact_rows.real_rows(g, h, "final.norm")
     if rotation is not None:  # the rotated, weightless norm's output -> the head's input
         h = g.node("MatMul", [h, g.fconst("head_input", rotation.head_input)],
@@ -821,7 +822,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
             g.node("MatMul", [h, g.fconst("unrotate", rotation.unrotate)], ["hidden"],
                    "hidden")
     elif hidden_output:
-        hidden = h if cut_early or not g.two_rows else exact_rows.real_rows(g, h, "hidden")
+        hidden = exact_rows.real_rows(g, h, "hidden") if cut_late else h
         g.node("Cast", [hidden], ["hidden"], "hidden", to=TensorProto.FLOAT)
     head_bits = 8 if precision in BITS else None
     if draft_head_rows is not None:
@@ -834,7 +835,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
         scaled = g.node("Div", [logits, cap], ["logits.scaled"], "softcap.div")[0]
         tanh = g.node("Tanh", [scaled], ["logits.tanh"], "softcap.tanh")[0]
         logits = g.node("Mul", [tanh, cap], ["logits.capped"], "softcap.mul")[0]
-    if g.two_rows and not cut_early:
+    if cut_late:
         logits = exact_rows.real_rows(g, logits, "logits")
     if g.dtype != np.float32:
         g.node("Cast", [logits], ["logits"], "logits", to=TensorProto.FLOAT)
