@@ -27,7 +27,7 @@ from edgespec.spec import GenerationStats
 # id -> (label, GenerationConfig fields); "default" is GenerationConfig()'s own choice
 MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "ar": ("ar", dict(mode="ar")),
-    "chain": ("chain γ=4", dict(mode="spec", draft_tokens=4)),
+    "chain": ("chain γ=4", dict(mode="spec", draft_tokens=4, lookup_tokens=0)),
     "adaptive": ("chain adaptive", dict(mode="spec", draft_tokens=6, adaptive=True)),
     "tree": ("tree 16", dict(mode="spec", tree_budget=16, tree_depth=5, tree_top_k=3)),
     "lookup": ("lookup", dict(mode="lookup", draft_tokens=4)),
@@ -55,7 +55,8 @@ def bench_modes(engine: Engine, wanted: tuple[str, ...] = (),
     the others)."""
     default = engine.resolve(GenerationConfig())
     entries = [(key, label, fields, key in wanted) for key, (label, fields) in MODES.items()]
-    entries[-1:-1] = [("chain", f"chain γ={g}", dict(mode="spec", draft_tokens=g), True)
+    entries[-1:-1] = [("chain", f"chain γ={g}", dict(mode="spec", draft_tokens=g,
+                                                     lookup_tokens=0), True)
                       for g in gammas]  # before "default", which keeps a named twin's name
     configs: dict[str, GenerationConfig] = {}
     for key, label, fields, asked in entries:

@@ -222,11 +222,15 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
                    "per token than answers (repeatable).")
 @click.option("--text-tokens", default=150_000, show_default=True, type=click.IntRange(1),
               help="Tokens of --text to read, in windows drawn at random.")
+@click.option("--synthesize", default=0, show_default=True, type=click.IntRange(0),
+              help="Conversations the target writes itself, request and answer (a chat "
+                   "model; in float, in batches), and then reads.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--threads", default=0, type=click.IntRange(0), help="PyTorch threads.")
 def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None, steps: int,
                 unroll: int, kept: int, max_new_tokens: int, greedy_only: bool,
-                texts: tuple[Path, ...], text_tokens: int, seed: int, threads: int) -> None:
+                texts: tuple[Path, ...], text_tokens: int, synthesize: int, seed: int,
+                threads: int) -> None:
     """Train an EAGLE draft head for TARGET (a .gguf file or checkpoint directory) from
     the target alone; `edgespec export TARGET --draft OUT` then speculates with it."""
     import tempfile
@@ -247,7 +251,8 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
     if threads:
         torch.set_num_threads(threads)
     opts = TrainOptions(steps=steps, unroll=unroll, kept=kept, max_new_tokens=max_new_tokens,
-                        sampled=not greedy_only, seed=seed, text_tokens=text_tokens)
+                        sampled=not greedy_only, seed=seed, text_tokens=text_tokens,
+                        synthesize=synthesize)
     text = read_texts(list(texts)) if texts else None
     with tempfile.TemporaryDirectory(prefix="edgespec-source-") as scratch:
         source = open_source(target, Path(scratch))

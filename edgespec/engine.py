@@ -26,6 +26,7 @@ from edgespec.runtimes.providers import PROVIDER
 from edgespec.spec import (
     GenerationStats,
     HeadDrafter,
+    HybridDrafter,
     LookupDrafter,
     ModelDrafter,
     SamplingParams,
@@ -68,6 +69,10 @@ class GenerationConfig:
     # γ, the chain length per target pass (the maximum if adaptive); None: the drafter's
     # own (Engine.resolve)
     draft_tokens: int | None = None
+    # with a draft head: where the last 2+ tokens occurred before, propose up to this many
+    # of the tokens that followed them instead (HybridDrafter); None: 4 for a head's fixed
+    # chains, 0 (the head alone) otherwise
+    lookup_tokens: int | None = None
     adaptive: bool = False  # tune γ per pass from measured acceptance and costs
     stop_rule: str = "none"  # "confidence" or "entropy": end a chain when the draft is unsure
     stop_threshold: float = 0.4
@@ -94,6 +99,8 @@ class GenerationConfig:
                   (self.top_k >= 0, "top_k must be >= 0"),
                   (self.draft_tokens is None or 1 <= self.draft_tokens <= 64,
                    "draft_tokens must be between 1 and 64"),
+                  (self.lookup_tokens is None or 0 <= self.lookup_tokens <= 64,
+                   "lookup_tokens must be between 0 and 64"),
                   (0 <= self.tree_budget <= 1024, "tree_budget must be between 0 and 1024"),
                   (1 <= self.tree_depth <= 32, "tree_depth must be between 1 and 32"),
                   (1 <= self.tree_top_k <= 32, "tree_top_k must be between 1 and 32"),
@@ -267,10 +274,14 @@ class Engine:
         rarely accepted (measured on SmolLM2 and Gemma 3: γ = 1 1.01–1.07× AR, γ = 4
         0.65–0.82×, see README "Draft heads"); other drafters and adaptive chains to 4."""
         mode = self.default_mode if config.mode is None else config.mode
+        head_chains = bool(self.head) and mode == "spec" and not config.adaptive
         gamma = config.draft_tokens
         if gamma is None:
-            gamma = 1 if self.head and mode == "spec" and not config.adaptive else 4
-        return replace(config, mode=mode, draft_tokens=gamma)
+            gamma = 1 if head_chains else 4
+        copies = config.lookup_tokens
+        if copies is None:
+            copies = 4 if head_chains else 0
+        return replace(config, mode=mode, draft_tokens=gamma, lookup_tokens=copies)
 
     def _config(self, config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
         config = self.resolve(config or GenerationConfig(**kwargs))
@@ -378,7 +389,10 @@ class Engine:
             if config.mode == "lookup":
                 drafter = LookupDrafter(vocab)
             elif self.head:
-                drafter = HeadDrafter(self.draft, self.target, self.kept, vocab)
+                drafter = HeadDrafter(self.draft, self.target, self.kept, vocab,
+                                      config.stop_rule, config.stop_threshold)
+                if config.lookup_tokens:
+                    drafter = HybridDrafter(drafter, config.lookup_tokens)
             else:
                 drafter = ModelDrafter(self.draft, config.stop_rule, config.stop_threshold)
             controller = GammaController(config.draft_tokens) if config.adaptive else None

@@ -9,7 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgespec.spec import GenerationStats, HeadDrafter, SamplingParams, ar_decode, chain_decode
+from edgespec.spec import (
+    GenerationStats,
+    HeadDrafter,
+    HybridDrafter,
+    SamplingParams,
+    ar_decode,
+    chain_decode,
+)
 from tests.test_spec import (
     PARAMS,
     MarkovModel,
@@ -56,10 +63,12 @@ class ToyHead:
 KEPT = np.array([0, 1, 3, 4])  # token 2 cannot be drafted (VocabTrim)
 
 
-def head_run(target_table, draft_table, params, gamma, rng, kept=KEPT):
+def head_run(target_table, draft_table, params, gamma, rng, kept=KEPT, stop=("none", 0.4),
+             stats=None):
     target = FeatureMarkov(target_table, 200)
-    drafter = HeadDrafter(ToyHead(draft_table, kept), target, kept, V)
-    return chain_decode(target, drafter, [2, 0], params, gamma, rng, GenerationStats("spec"))
+    drafter = HeadDrafter(ToyHead(draft_table, kept), target, kept, V, *stop)
+    return chain_decode(target, drafter, [2, 0], params, gamma, rng,
+                        stats or GenerationStats("spec"))
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -71,6 +80,62 @@ def test_greedy_head_chain_equals_greedy_ar(seed, gamma):
     ar = take(ar_decode(MarkovModel(target_table), [2, 0], greedy, rng, GenerationStats("ar")),
               30)
     assert take(head_run(target_table, draft_table, greedy, gamma, rng), 30) == ar
+
+
+@pytest.mark.parametrize("stop", [("confidence", 0.5), ("entropy", 0.0)])
+def test_a_head_chain_ends_where_its_stop_rule_says_and_stays_lossless(stop):
+    """A stop rule ends a head's chain on the head's own numbers: greedy output is still
+    AR's, sampled output still the target's distribution; a threshold no probability
+    reaches leaves one token per chain, one none crosses the whole chain."""
+    target_table, draft_table = tables(2)
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(0.0)
+    ar = take(ar_decode(MarkovModel(target_table), [2, 0], greedy, rng, GenerationStats("ar")),
+              30)
+    assert take(head_run(target_table, draft_table, greedy, 6, rng, stop=stop), 30) == ar
+    samples = [tuple(take(head_run(target_table, draft_table, SamplingParams(1.0), 3, rng,
+                                   stop=stop), 3)) for _ in range(6000)]
+    assert_matches(samples, exact_distribution(target_table, 0, 3, SamplingParams(1.0)))
+    for threshold, per_chain in ((1.01, 1), (0.0, 6)):
+        stats = GenerationStats("spec")
+        take(head_run(target_table, draft_table, greedy, 6, rng, stop=("confidence", threshold),
+                      stats=stats), 30)
+        assert stats.drafted == per_chain * (stats.target_passes - 1)
+
+
+def hybrid_run(target_table, draft_table, params, rng, stats, prompt=(0, 1, 2, 0, 1, 2, 0)):
+    target = FeatureMarkov(target_table, 200)
+    drafter = HybridDrafter(HeadDrafter(ToyHead(draft_table, KEPT), target, KEPT, V), 4)
+    return chain_decode(target, drafter, list(prompt), params, 1, rng, stats)
+
+
+def test_hybrid_copies_repeats_and_the_head_drafts_the_rest_losslessly():
+    """Head chains of one token, lookup runs of up to four where the last 2 tokens
+    occurred before: greedy output is AR's, and both drafters were used (the toy head
+    checks that the states it reads stay aligned after copied runs)."""
+    for seed in range(4):
+        target_table, draft_table = tables(seed)
+        rng = np.random.default_rng(0)
+        prompt = [0, 1, 2, 0, 1, 2, 0]
+        greedy = SamplingParams(0.0)
+        ar = take(ar_decode(MarkovModel(target_table), prompt, greedy, rng,
+                            GenerationStats("ar")), 40)
+        stats = GenerationStats("spec")
+        assert take(hybrid_run(target_table, draft_table, greedy, rng, stats, prompt), 40) == ar
+        # lookup drafted some passes (no head pass: draft_passes counts the head's), the
+        # head the others
+        assert 0 < stats.draft_passes < stats.target_passes - 1
+
+
+@pytest.mark.parametrize("params", PARAMS)
+def test_hybrid_sampling_preserves_sequence_distribution(params):
+    target_table, draft_table = tables(5)
+    rng = np.random.default_rng(3)
+    stats = GenerationStats("spec")
+    samples = [tuple(take(hybrid_run(target_table, draft_table, params, rng, stats), 3))
+               for _ in range(6000)]
+    assert stats.drafted > stats.draft_passes > 0
+    assert_matches(samples, exact_distribution(target_table, 0, 3, params))
 
 
 def test_a_perfect_head_is_always_accepted():
@@ -248,6 +313,56 @@ def test_read_along_gives_the_states_of_reading_each_window_alone(tiny, tmp_path
         with torch.no_grad():
             states = model.model(torch.from_numpy(w.tokens)[None]).last_hidden_state[0]
         assert np.abs(w.states.astype(np.float32) - states.numpy()).max() < 2e-3  # float16
+
+
+def test_the_target_writes_requests_and_answers_them_greedily(tmp_path):
+    """--synthesize (Magpie): SmolLM2 in float writes distinct requests after its template's
+    open user turn and answers each in a left-padded batch; every answer token is the
+    float model's greedy choice given the prefix alone (unpadded), and a conversation is
+    the request through the chat template, then the answer with its end-of-turn token."""
+    import torch
+
+    from edgespec.export.source import open_source
+    from edgespec.tokenizer import Tokenizer
+    from edgespec.train import data
+    from tests.real_models import smollm2_gguf
+
+    source = open_source(str(smollm2_gguf()), tmp_path)
+    tokenizer = Tokenizer.from_dir(source.tokenizer_dir)
+    model = data.float_model(source.name, source.kind)
+    batches = []
+    convs = data.self_written(model, tokenizer, source.eos_ids, 6, 24, 0, 4, batches.append)
+    assert len(convs) == 6 and sum(batches) == 12  # 6 requests, then 6 answers
+    opening = tokenizer.encode_chat([{"role": "user", "content": "\u2063"}])
+    cut = opening.index(tokenizer.encode("\u2063", add_special_tokens=False)[0])
+    requests, start = set(), len(tokenizer.decode(opening[:cut]))
+    for conv in convs:
+        assert conv[:cut] == opening[:cut]
+        text = tokenizer.decode(conv)
+        request = text[start:text.index("<|im_end|>", start)]
+        requests.add(request)
+        prompt = tokenizer.encode_chat([{"role": "user", "content": request.strip()}])
+        assert conv[:len(prompt)] == prompt
+        answer = conv[len(prompt):]
+        assert answer[-1] in source.eos_ids or len(answer) == 24
+        with torch.no_grad():
+            logits = model(torch.tensor([conv])).logits[0, len(prompt) - 1:-1]
+        best = logits.max(-1).values
+        chosen = logits[torch.arange(len(answer)), torch.tensor(answer)]
+        assert (best - chosen).max() < 1e-3  # the greedy token, or a float tie with it
+    assert len(requests) == 6
+
+
+def test_synthesize_refuses_a_model_without_a_chat_template(tiny, tmp_path):
+    from edgespec.export import export
+    from edgespec.tokenizer import Tokenizer
+    from edgespec.train import data
+
+    path, model = tiny
+    export(path, tmp_path / "b", draft="none", precision="fp32")
+    with pytest.raises(data.EdgespecError, match="needs a chat model"):
+        data.self_written(model, Tokenizer.from_dir(tmp_path / "b"), [0], 2, 8, 0, 2,
+                          lambda n: None)
 
 
 def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_path):

@@ -272,6 +272,9 @@ def test_lookup_takes_the_latest_longest_match():
         seq = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 30))).tolist()
         for max_ngram, n in [(1, 3), (3, 4), (4, 1)]:
             assert lookup(np.array(seq), n, max_ngram) == reference(seq, n, max_ngram)
+        # a floor on the match: nothing unless the last 2 tokens occurred before
+        seen = any(seq[i:i + 2] == seq[-2:] for i in range(len(seq) - 2))
+        assert lookup(np.array(seq), 4, 3, 2) == (reference(seq, 4, 3) if seen else [])
 
 
 def test_tree_inputs_show_each_node_only_its_ancestors():

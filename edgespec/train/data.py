@@ -161,15 +161,112 @@ def read_along(bundle: Path, texts: list[str], window: int, max_tokens: int, see
         held += len(ids)
         if held >= 4 * max_tokens:
             break
-    out, read = [], 0
-    for i in rng.permutation(len(pieces)):
-        piece = pieces[i][:max_tokens - read]
-        if len(piece) < 3:
+    order = [pieces[i] for i in rng.permutation(len(pieces))]
+    budget, taken = max_tokens, []
+    for piece in order:
+        if budget < 3 or len(piece) < 3:
             break
+        taken.append(piece[:budget])
+        budget -= len(taken[-1])
+    return _read(target, taken, on_window)
+
+
+def _read(target, sequences: list[list[int]], on_read: Callable[[int], None]
+          ) -> list[Conversation]:
+    """The target's states along each sequence, read in one pass from an empty cache."""
+    out = []
+    for ids in sequences:
         target.cache.reset()
-        target.forward(piece)
-        out.append(Conversation(np.array(piece, dtype=np.int64),
-                                target.features[:len(piece)].astype(np.float16)))
-        read += len(piece)
-        on_window(len(piece))
+        target.forward(ids)
+        out.append(Conversation(np.array(ids, dtype=np.int64),
+                                target.features[:len(ids)].astype(np.float16)))
+        on_read(len(ids))
     return out
+
+
+def read_sequences(bundle: Path, sequences: list[list[int]], threads: int,
+                   on_read: Callable[[int], None]) -> list[Conversation]:
+    """The exported target's states along token sequences written elsewhere."""
+    _, _, target = _target(bundle, threads)
+    return _read(target, sequences, on_read)
+
+
+def float_model(name: str, kind: str):
+    """The source's weights in float32 as a transformers model (a GGUF file dequantized
+    by transformers itself), for writing text in batches."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edgespec.export.hub import resolve_checkpoint
+
+    if kind == "gguf":
+        path = Path(name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(resolve_checkpoint(name)),
+                                                     dtype=torch.float32)
+    return model.eval()
+
+
+def self_written(model, tokenizer: Tokenizer, eos_ids: list[int], n: int,
+                 max_new_tokens: int, seed: int, batch: int,
+                 on_batch: Callable[[int], None], max_request_tokens: int = 64
+                 ) -> list[list[int]]:
+    """Conversations a chat model writes itself, both turns (Magpie, arXiv 2406.08464):
+    sampled at T=1 after its chat template's open user turn, it writes a request of the
+    kind it was tuned on, then answers it greedily; returned as token ids, the answer's
+    end-of-turn token included.
+
+    Built-in prompts run out (310 give a head ~50k tokens, which it learns by heart), and
+    other text is not what a chat target says. The float model writes in batches (the
+    exported graph answers one prompt at a time); the head then learns the exported
+    target's own states along the text (read_sequences), so only the text is the float
+    model's, and the two agree on most tokens (KL ~0.002 for SmolLM2's file)."""
+    import torch
+
+    if not tokenizer.chat_template:
+        raise EdgespecError("--synthesize needs a chat model (one with a chat template): a "
+                            "base model writes no requests; give it --text instead.")
+    mark = "\u2063edgespec\u2063"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": mark}], False)
+    opening = tokenizer.encode(rendered[:rendered.index(mark)], add_special_tokens=False)
+    torch.manual_seed(seed)
+    stop = int(eos_ids[0])
+
+    def write(rows: list[list[int]], sample: bool, limit: int) -> list[list[int]]:
+        """Continue each row (left-padded into one batch) until an end token, which a
+        sampled row must reach (a cut request is dropped: empty); a greedy one is cut."""
+        width = max(map(len, rows))
+        ids = torch.tensor([[stop] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, do_sample=sample,
+                                 temperature=1.0 if sample else None, top_p=None, top_k=None,
+                                 max_new_tokens=limit, eos_token_id=list(eos_ids),
+                                 pad_token_id=stop)
+        written = []
+        for row in out[:, width:].tolist():
+            ends = [i for i, t in enumerate(row) if t in eos_ids]
+            written.append(row[:ends[0] + 1] if ends else [] if sample else row)
+        return written
+
+    requests: dict[str, None] = {}  # distinct ones, in the order written
+    while len(requests) < n:
+        written = len(requests)
+        for request in write([opening] * batch, True, max_request_tokens):
+            text = tokenizer.decode(request[:-1]).strip()
+            if text and len(requests) < n:
+                requests[text] = None
+        if len(requests) == written:
+            raise EdgespecError("the target wrote no new complete request in a whole batch; "
+                                "--synthesize needs a chat model that ends its turns.")
+        on_batch(len(requests) - written)
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in requests]
+    conversations: list[list[int]] = []
+    for start in range(0, n, batch):
+        part = prompts[start:start + batch]
+        conversations += [p + a for p, a in zip(part, write(part, False, max_new_tokens),
+                                                strict=True)]
+        on_batch(len(part))
+    return conversations

@@ -33,6 +33,7 @@ from edgespec.export.graph import as_float
 from edgespec.export.source import Source
 from edgespec.model_cache import cached_bundle
 from edgespec.quant.vocab_trim import kept_tokens
+from edgespec.tokenizer import Tokenizer
 from edgespec.train import data
 from edgespec.train.model import EagleHead
 
@@ -52,8 +53,9 @@ class TrainOptions:
     ce_rows: int = 128  # positions per step scored over the kept vocabulary (the costly part)
     noise: float = 0.05  # relative uniform noise on the true input states (EAGLE)
     seed: int = 0
-    gen_batch: int = 32
+    gen_batch: int = 64  # conversations the float model writes at once (synthesize)
     text_tokens: int = 150_000  # most tokens of --text the target reads
+    synthesize: int = 0  # conversations the target writes itself (data.self_written)
 
 
 def _progress(console: Console) -> Progress:
@@ -111,6 +113,38 @@ def read_text(bundle: Path, texts: list[str], opts: TrainOptions, work: Path,
     return _cached(work / "text.npz", "text windows", console, read)
 
 
+def synthesized(source: Source, bundle: Path, opts: TrainOptions, work: Path,
+                console: Console) -> list[data.Conversation]:
+    """Conversations the target writes itself and its states along them, cached in
+    `work`: the text (synthesized_ids.npz) as soon as it is written, then the states."""
+    def write() -> list[list[int]]:
+        ids = work / "synthesized_ids.npz"
+        if ids.is_file():
+            with np.load(ids) as z:
+                return [t.tolist() for t in np.split(z["tokens"], np.cumsum(z["lengths"])[:-1])]
+        with _progress(console) as progress:
+            task = progress.add_task("the target writes requests, then answers",
+                                     total=2 * opts.synthesize)
+            seqs = data.self_written(data.float_model(source.name, source.kind),
+                                     Tokenizer.from_dir(bundle), source.eos_ids,
+                                     opts.synthesize, opts.max_new_tokens, opts.seed,
+                                     opts.gen_batch, lambda k: progress.advance(task, k))
+        tmp = ids.with_suffix(".part.npz")
+        np.savez(tmp, lengths=np.array([len(t) for t in seqs]),
+                 tokens=np.concatenate([np.array(t, np.int64) for t in seqs]))
+        tmp.replace(ids)
+        return seqs
+
+    def read() -> list[data.Conversation]:
+        seqs = write()
+        with _progress(console) as progress:
+            task = progress.add_task("target reads them", total=sum(map(len, seqs)))
+            return data.read_sequences(bundle, seqs, torch.get_num_threads(),
+                                       lambda n: progress.advance(task, n))
+
+    return _cached(work / "synthesized.npz", "self-written conversations", console, read)
+
+
 def windows(convs: list[data.Conversation], seq_len: int) -> list[tuple[np.ndarray, np.ndarray]]:
     out = []
     for c in convs:
@@ -161,7 +195,8 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     bundle = cached_bundle(source.name, console)
     convs = conversations(bundle, prompts, opts, work, console)
     read = read_text(bundle, texts, opts, work, console) if texts else []
-    convs = convs + read
+    written = synthesized(source, bundle, opts, work, console) if opts.synthesize else []
+    convs = convs + read + written
     answers = np.concatenate([c.tokens for c in convs])
     counts = np.bincount(answers, minlength=spec.vocab_size)
     kept = kept_tokens(counts, min(opts.kept, spec.vocab_size), source.eos_ids)
@@ -231,7 +266,9 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     recent = np.mean(history[-50:], axis=0)
     card = {
         "target": Path(source.name).name, "prompts": len(prompts),
-        "conversations": len(convs) - len(read), "tokens": int(len(answers)),
+        "conversations": len(convs) - len(read) - len(written), "tokens": int(len(answers)),
+        "self_written": {"conversations": len(written),
+                         "tokens": int(sum(len(c.tokens) for c in written))},
         "text": {"files": len(texts or []), "windows": len(read),
                  "tokens": int(sum(len(c.tokens) for c in read))},
         "options": asdict(opts), "seconds": round(time.time() - started, 1),
