@@ -1,9 +1,10 @@
 """The speed race on one model: edgespec, llama.cpp and onnxruntime-genai side by side.
 
-Same GGUF file, same held-out chat prompts (edgespec's real-model bench set, through the
-model's chat template: token ids for edgespec and genai, the rendered text for llama.cpp),
-greedy, the same number of new tokens and CPU threads, interleaved: every round runs each
-prompt on every runtime in turn, the order rotating. Speed is decode tokens/s (prefill
+Same GGUF file, same held-out prompts (edgespec's real-model bench set, chat unless
+`--category` says otherwise, through the model's chat template: token ids for edgespec and
+genai, the rendered text for llama.cpp), greedy, the same number of new tokens and CPU
+threads, interleaved: every round runs each prompt on every runtime in turn, the order
+rotating. Speed is decode tokens/s (prefill
 excluded) for everyone, totalled per round; the table gives the median round, the range
 over rounds and the ratios to edgespec AR and to the fastest peer, also per round.
 
@@ -51,7 +52,7 @@ from peers import (  # noqa: E402
 )
 
 import edgespec  # noqa: E402
-from edgespec.bench_sets import load_set, select  # noqa: E402
+from edgespec.bench_sets import REAL_CATEGORIES, load_set, select  # noqa: E402
 from edgespec.model_cache import cache_dir, resolve_model, source_hash  # noqa: E402
 
 
@@ -96,7 +97,7 @@ def race(args: argparse.Namespace) -> dict[str, Any]:
     tok = engine.tokenizer
     prompts = [Prompt(p["messages"], tok.apply_chat_template(p["messages"]),
                       tok.encode_chat(p["messages"]))
-               for p in select(load_set("real"), ("chat",), args.prompts)]
+               for p in select(load_set("real"), (args.category,), args.prompts)]
     runners, to_close = peers(args, engine)
     names = list(runners)
     speed: dict[str, list[float]] = {n: [] for n in names}
@@ -151,15 +152,17 @@ def race(args: argparse.Namespace) -> dict[str, Any]:
             "prompt_token_count_differs": prompt_mismatch[name],
             "acceptance": statistics.mean(runners[name].acceptance)
             if getattr(runners[name], "acceptance", None) else None})
-    return {"model": str(args.model), "prompts": len(prompts), "new_tokens": args.new,
+    return {"model": str(args.model), "category": args.category, "prompts": len(prompts),
+            "new_tokens": args.new,
             "threads": args.threads, "llama_poll": args.llama_poll, "rounds": args.rounds,
             "rows": rows, "llama_bench_tg": bench_tg}
 
 
 def print_report(report: dict[str, Any]) -> None:
-    table = Table(title=f"{Path(report['model']).name}: {report['prompts']} held-out chat "
-                        f"prompts × {report['rounds']} rounds, {report['new_tokens']} new "
-                        f"tokens, greedy, {report['threads']} threads, interleaved")
+    table = Table(title=f"{Path(report['model']).name}: {report['prompts']} held-out "
+                        f"{report['category']} prompts × {report['rounds']} rounds, "
+                        f"{report['new_tokens']} new tokens, greedy, {report['threads']} "
+                        "threads, interleaved")
     for col in ("runtime", "tok/s (median round)", "range", "vs edgespec AR",
                 "vs fastest peer", "same text as edgespec AR", "same first chars"):
         table.add_column(col, justify="left" if col == "runtime" else "right")
@@ -190,7 +193,9 @@ def main() -> None:
     ap.add_argument("--model", type=Path, required=True, help="a .gguf file")
     ap.add_argument("--bundle", type=Path, help="edgespec's side: a bundle exported from "
                     "MODEL (default: MODEL's default export), e.g. with --quant rot")
-    ap.add_argument("--prompts", type=int, default=8, help="held-out chat prompts")
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+    ap.add_argument("--category", default="chat", choices=REAL_CATEGORIES,
+                    help="which of the real bench set's categories")
     ap.add_argument("--new", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
