@@ -406,9 +406,13 @@ def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):
             assert spec.token_ids == ar.token_ids
             assert spec.stats.draft_passes > 0
             # a head's chains default to one draft token per verify pass (the prefill
-            # drafts nothing); asked for, it drafts four
-            assert spec.stats.drafted <= spec.stats.target_passes - 1
-            four = engine.generate(prompt, max_new_tokens=40, temperature=0, draft_tokens=4)
+            # drafts nothing) where nothing is copied; asked for, it drafts four
+            alone = engine.generate(prompt, max_new_tokens=40, temperature=0,
+                                    lookup_tokens=0)
+            assert alone.token_ids == ar.token_ids
+            assert alone.stats.drafted <= alone.stats.target_passes - 1
+            four = engine.generate(prompt, max_new_tokens=40, temperature=0, draft_tokens=4,
+                                   lookup_tokens=0)
             assert four.token_ids == ar.token_ids
             assert four.stats.drafted > 2 * (four.stats.target_passes - 1)
 
@@ -553,6 +557,24 @@ def test_smollm2_head_greedy_equals_ar_and_is_accepted(smollm2):
             passes += spec.stats.target_passes - 1  # the prefill drafts nothing
             tokens += spec.stats.new_tokens - 1
         assert tokens / passes > HEAD_TOKENS_PER_PASS
+
+
+def test_smollm2_copies_code_it_repeats_and_stays_ar(smollm2):
+    """Held-out code completions repeat their prompt: the default chains copy runs of
+    tokens there (more drafted than one per pass), and greedy output is still AR's."""
+    import edgespec
+    from edgespec.bench_sets import load_set
+
+    with edgespec.load(smollm2) as engine:
+        drafted = passes = 0
+        for p in [p for p in load_set("real") if p["category"] == "code"][:2]:
+            ids = engine.tokenizer.encode_chat(p["messages"])
+            spec = engine.generate(ids, max_new_tokens=64, temperature=0)
+            assert spec.token_ids == engine.generate(ids, max_new_tokens=64, temperature=0,
+                                                     mode="ar").token_ids
+            drafted += spec.stats.drafted
+            passes += spec.stats.target_passes - 1
+        assert drafted > 1.5 * passes
 
 
 def test_smollm2_head_sampling_keeps_the_targets_distribution(smollm2):
