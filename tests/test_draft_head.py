@@ -257,10 +257,11 @@ def test_exported_head_computes_what_pytorch_trains(tiny, trained, tmp_path, qua
         ref_logits = module.logits(steps[0][0]).numpy()
     got = [head_session.forward_head(pair_ids[:5], pair_states[:5]),
            head_session.forward_head(pair_ids[5:18], pair_states[5:18])]
+    # the graph scores each pass's last row only: the one a drafter reads
     logits = np.concatenate([g[0] for g in got])
     predicted = np.concatenate([g[1] for g in got])
     assert np.abs(predicted - steps[0][0].numpy()).max() < 1e-4
-    assert np.abs(logits - ref_logits).max() < 1e-4
+    assert np.abs(logits - ref_logits[[4, 17]]).max() < 1e-4
     for j in (0, 6, 17):  # draft one more token at chain j, from the head's own state
         head_session.cache.reset()
         head_session.forward_head(pair_ids[:j + 1], pair_states[:j + 1])

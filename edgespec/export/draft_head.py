@@ -182,5 +182,5 @@ def build_head_graph(head: DraftHead, spec: DecoderSpec, embeddings: Weight, lm_
             else np.asarray(lm_head)[head.kept])
     return build_decoder(head.config.spec(spec), embeddings, [head.layer()],
                          head.weights["norm"], rows, precision,
-                         draft_head_rows=None, hidden_output=True,
+                         draft_head_rows=None, hidden_output=True, last_logits=True,
                          fusion=head.weights["fusion"], **options)

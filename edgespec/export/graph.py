@@ -604,7 +604,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                   on_layer: Callable[[int], None] | None = None, hidden_output: bool = False,
                   fusion: Weight | None = None,
                   rotation: Rotated | None = None,
-                  hessians: dict[str, np.ndarray] | None = None) -> onnx.ModelProto:
+                  hessians: dict[str, np.ndarray] | None = None,
+                  last_logits: bool = False) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
     Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
@@ -623,6 +624,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     rotated ones; the graph runs down_proj's input rotation and the head's input matrix,
     and an int8 graph computes every linear as the exact row-quantized integer GEMM, its
     codes chosen by GPTQ where `hessians` (calibrate, by node name) has the input's XᵀX.
+    `last_logits` scores the pass's last row only (logits [1,1,V]): a draft head drafts
+    from its last row, and its first pass reads a whole prompt.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
@@ -648,7 +651,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
         inputs.append(helper.make_tensor_value_info("use_residual", TensorProto.BOOL, []))
     # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
     vocab = "vocab" if draft_head_rows is not None else rows_of(lm_head)
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, s_dim, vocab])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
+                                             [1, 1 if last_logits else s_dim, vocab])]
     if hidden_output:
         outputs.append(helper.make_tensor_value_info("hidden", TensorProto.FLOAT,
                                                      [1, s_dim, spec.hidden_size]))
@@ -824,6 +828,11 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     elif hidden_output:
         hidden = exact_rows.real_rows(g, h, "hidden") if cut_late else h
         g.node("Cast", [hidden], ["hidden"], "hidden", to=TensorProto.FLOAT)
+    if last_logits:
+        h = g.node("Slice", [h, g.const("i64.minus1", np.array([-1], np.int64)),
+                             g.const("i64.end", np.array([np.iinfo(np.int64).max], np.int64)),
+                             g.const("exact.axis1", np.array([1], np.int64))],
+                   ["final.last"], "final.last")[0]
     head_bits = 8 if precision in BITS else None
     if draft_head_rows is not None:
         logits = g.trimmed_nested_head(h, lm_head, draft_head_rows, "lm_head")

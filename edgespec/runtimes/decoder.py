@@ -253,6 +253,9 @@ class DecoderSession:
         self.hidden = (HostOutput(self.session, self.binding, "hidden")
                        if "hidden" in outputs else None)
         self.is_head = "hidden_in" in {i.name for i in self.session.get_inputs()}
+        # a head graph scores its last row only (export.graph's last_logits); older ones all
+        logits_rows = next(o.shape[1] for o in self.session.get_outputs() if o.name == "logits")
+        self.last_logits = logits_rows == 1
         if self.hidden is not None and not self.is_head:
             self.features = np.zeros((self.max_len + 1, entry.hidden_size), np.float32)
         self.cache.bind(self.binding)  # the presents are bound last, in every binding
@@ -294,11 +297,12 @@ class DecoderSession:
     def forward_head(self, ids: list[int] | np.ndarray, hidden: np.ndarray
                      ) -> tuple[np.ndarray, np.ndarray]:
         """An EAGLE head's pass: tokens and the states that precede them ([S, d]) in,
-        logits over the kept tokens and the head's own next states out."""
+        logits over the kept tokens (of the last token only, [1, K], for a head graph
+        that scores its last row) and the head's own next states ([S, d]) out."""
         past, s = self._feed(self.binding, ids, None, None)
         self.binding.bind_cpu_input("hidden_in", np.ascontiguousarray(
             hidden, np.float32).reshape(1, s, -1))
-        self.logits.bind((1, s, self.vocab))
+        self.logits.bind((1, 1 if self.last_logits else s, self.vocab))
         self.hidden.bind((1, s, self.entry.hidden_size))
         self._run(self.binding, past + s)
         return self.logits.read(), self.hidden.read()
