@@ -14,6 +14,5 @@ from edgespec.spec.stats import GenerationStats
 from edgespec.spec.tree import DraftTree, verify_tree
 
 __all__ = ["DraftTree", "GenerationStats", "HeadDrafter", "HybridDrafter", "LookupDrafter",
-           "ModelDrafter",
-           "SamplingParams", "TreeDrafter", "ar_decode", "chain_decode", "sample",
-           "tree_decode", "verify_chain", "verify_tree", "warp"]
+           "ModelDrafter", "SamplingParams", "TreeDrafter", "ar_decode", "chain_decode",
+           "sample", "tree_decode", "verify_chain", "verify_tree", "warp"]
