@@ -272,7 +272,8 @@ class Engine:
         """`config` with what it leaves open filled in: the mode (default_mode) and γ. A
         draft head's fixed chains default to γ = 1, since its drafts past the first are
         rarely accepted (measured on SmolLM2 and Gemma 3: γ = 1 1.01–1.07× AR, γ = 4
-        0.65–0.82×, see README "Draft heads"); other drafters and adaptive chains to 4."""
+        0.65–0.82×, see README "Draft heads"); other drafters and adaptive chains to 4.
+        A head's fixed chains copy up to 4 tokens where the text repeats (HybridDrafter)."""
         mode = self.default_mode if config.mode is None else config.mode
         head_chains = bool(self.head) and mode == "spec" and not config.adaptive
         gamma = config.draft_tokens

@@ -391,6 +391,12 @@ def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_
                   "--text", str(bad), env=env)
         assert out.returncode != 0 and message in out.stderr
         assert "Traceback" not in out.stderr and not (tmp_path / "x.npz").exists()
+    # a base model writes no requests: refused before anything is answered or written
+    out = run("train-draft", str(path), "--out", str(tmp_path / "x.npz"), *common,
+              "--synthesize", "4", "--work", str(tmp_path / "w"), env=env)
+    assert out.returncode != 0 and "needs a chat model" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "x.npz").exists()
+    assert not list((tmp_path / "w").glob("*.npz"))
 
 
 def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):

@@ -8,8 +8,10 @@ over `unroll` draft positions, to predict the target's next state (smooth L1) an
 next-token distribution over the kept tokens (cross-entropy against the target's own,
 soft); 4. the head is written with a model card.
 
-Step 1 is cached in the work directory and training checkpoints itself there, so an
-interrupted run resumes where it stopped (`resume=True`). Everything is seeded.
+With `synthesize`, step 1 also has the target write conversations itself, request and
+answer (data.self_written), and read them. Step 1 is cached in the work directory and
+training checkpoints itself there, so an interrupted run resumes where it stopped
+(`resume=True`). Everything is seeded.
 """
 
 from __future__ import annotations
@@ -193,6 +195,9 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     spec = adapter.spec
     prompts = prompts or data.builtin_prompts()
     bundle = cached_bundle(source.name, console)
+    if opts.synthesize and not Tokenizer.from_dir(bundle).chat_template:
+        raise EdgespecError("--synthesize needs a chat model (one with a chat template): a "
+                            "base model writes no requests; give it --text instead.")
     convs = conversations(bundle, prompts, opts, work, console)
     read = read_text(bundle, texts, opts, work, console) if texts else []
     written = synthesized(source, bundle, opts, work, console) if opts.synthesize else []
