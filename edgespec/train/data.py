@@ -209,6 +209,13 @@ def float_model(name: str, kind: str):
     return model.eval()
 
 
+def check_chat(tokenizer: Tokenizer) -> None:
+    """Only a chat model writes requests: refuse a base model before any work is done."""
+    if not tokenizer.chat_template:
+        raise EdgespecError("--synthesize needs a chat model (one with a chat template): a "
+                            "base model writes no requests; give it --text instead.")
+
+
 def self_written(model, tokenizer: Tokenizer, eos_ids: list[int], n: int,
                  max_new_tokens: int, seed: int, batch: int,
                  on_batch: Callable[[int], None], max_request_tokens: int = 64
@@ -225,9 +232,7 @@ def self_written(model, tokenizer: Tokenizer, eos_ids: list[int], n: int,
     model's, and the two agree on most tokens (KL ~0.002 for SmolLM2's file)."""
     import torch
 
-    if not tokenizer.chat_template:
-        raise EdgespecError("--synthesize needs a chat model (one with a chat template): a "
-                            "base model writes no requests; give it --text instead.")
+    check_chat(tokenizer)
     mark = "\u2063edgespec\u2063"
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": mark}], False)
     opening = tokenizer.encode(rendered[:rendered.index(mark)], add_special_tokens=False)

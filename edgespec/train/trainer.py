@@ -195,9 +195,8 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     spec = adapter.spec
     prompts = prompts or data.builtin_prompts()
     bundle = cached_bundle(source.name, console)
-    if opts.synthesize and not Tokenizer.from_dir(bundle).chat_template:
-        raise EdgespecError("--synthesize needs a chat model (one with a chat template): a "
-                            "base model writes no requests; give it --text instead.")
+    if opts.synthesize:
+        data.check_chat(Tokenizer.from_dir(bundle))
     convs = conversations(bundle, prompts, opts, work, console)
     read = read_text(bundle, texts, opts, work, console) if texts else []
     written = synthesized(source, bundle, opts, work, console) if opts.synthesize else []
