@@ -138,6 +138,19 @@ def test_hybrid_sampling_preserves_sequence_distribution(params):
     assert_matches(samples, exact_distribution(target_table, 0, 3, params))
 
 
+def test_a_wrong_verifier_fails_the_hybrid_distribution_test(monkeypatch):
+    import edgespec.spec.decode as decode
+
+    monkeypatch.setattr(decode, "verify_chain", accept_all_chain)
+    target_table, draft_table = tables(5)
+    rng = np.random.default_rng(3)
+    stats = GenerationStats("spec")
+    samples = [tuple(take(hybrid_run(target_table, draft_table, SamplingParams(1.0), rng,
+                                     stats), 3)) for _ in range(6000)]
+    with pytest.raises(AssertionError):
+        assert_matches(samples, exact_distribution(target_table, 0, 3, SamplingParams(1.0)))
+
+
 def test_a_perfect_head_is_always_accepted():
     target_table, _ = tables(3)
     stats = GenerationStats("spec")
