@@ -66,22 +66,33 @@ def _progress(console: Console) -> Progress:
         console=console)
 
 
+def _load_joined(path: Path, *keys: str) -> list[list[np.ndarray]]:
+    """Per key, the sequences _save_joined wrote end to end into `path`."""
+    with np.load(path) as z:
+        cuts = np.cumsum(z["lengths"])[:-1]
+        return [np.split(z[key], cuts) for key in keys]
+
+
+def _save_joined(path: Path, **parts: list[np.ndarray]) -> None:
+    """Sequences of every key joined end to end, with their lengths; written whole (to a
+    temporary name, then renamed) so an interrupted run never finds half a file."""
+    first = next(iter(parts.values()))
+    tmp = path.with_suffix(".part.npz")
+    np.savez(tmp, lengths=np.array([len(x) for x in first]),
+             **{key: np.concatenate(seqs) for key, seqs in parts.items()})
+    tmp.replace(path)
+
+
 def _cached(cache: Path, what: str, console: Console,
             make: Callable[[], list[data.Conversation]]) -> list[data.Conversation]:
     """`make()`'s sequences, or those it made on an earlier run (kept in `cache`)."""
     if cache.is_file():
-        with np.load(cache) as z:
-            cuts = np.cumsum(z["lengths"])[:-1]
-            convs = [data.Conversation(t, s) for t, s in zip(
-                np.split(z["tokens"], cuts), np.split(z["states"], cuts), strict=True)]
+        tokens, states = _load_joined(cache, "tokens", "states")
+        convs = [data.Conversation(t, s) for t, s in zip(tokens, states, strict=True)]
         console.print(f"reusing {len(convs)} {what} from {cache}")
         return convs
     convs = make()
-    tmp = cache.with_suffix(".part.npz")
-    np.savez(tmp, lengths=np.array([len(c.tokens) for c in convs]),
-             tokens=np.concatenate([c.tokens for c in convs]),
-             states=np.concatenate([c.states for c in convs]))
-    tmp.replace(cache)
+    _save_joined(cache, tokens=[c.tokens for c in convs], states=[c.states for c in convs])
     return convs
 
 
@@ -122,8 +133,7 @@ def synthesized(source: Source, bundle: Path, opts: TrainOptions, work: Path,
     def write() -> list[list[int]]:
         ids = work / "synthesized_ids.npz"
         if ids.is_file():
-            with np.load(ids) as z:
-                return [t.tolist() for t in np.split(z["tokens"], np.cumsum(z["lengths"])[:-1])]
+            return [t.tolist() for t in _load_joined(ids, "tokens")[0]]
         with _progress(console) as progress:
             task = progress.add_task("the target writes requests, then answers",
                                      total=2 * opts.synthesize)
@@ -131,10 +141,7 @@ def synthesized(source: Source, bundle: Path, opts: TrainOptions, work: Path,
                                      Tokenizer.from_dir(bundle), source.eos_ids,
                                      opts.synthesize, opts.max_new_tokens, opts.seed,
                                      opts.gen_batch, lambda k: progress.advance(task, k))
-        tmp = ids.with_suffix(".part.npz")
-        np.savez(tmp, lengths=np.array([len(t) for t in seqs]),
-                 tokens=np.concatenate([np.array(t, np.int64) for t in seqs]))
-        tmp.replace(ids)
+        _save_joined(ids, tokens=[np.array(t, np.int64) for t in seqs])
         return seqs
 
     def read() -> list[data.Conversation]:
