@@ -344,9 +344,12 @@ def test_the_target_writes_requests_and_answers_them_greedily(tmp_path):
     source = open_source(str(smollm2_gguf()), tmp_path)
     tokenizer = Tokenizer.from_dir(source.tokenizer_dir)
     model = data.float_model(source.name, source.kind)
-    batches = []
-    convs = data.self_written(model, tokenizer, source.eos_ids, 6, 24, 0, 4, batches.append)
-    assert len(convs) == 6 and sum(batches) == 12  # 6 requests, then 6 answers
+    written = []
+    asked = data.self_requests(model, tokenizer, source.eos_ids, 6, 0, 4, written.append)
+    assert len(asked) == 6 and sum(written) == 6
+    batches = list(data.answered(model, tokenizer, source.eos_ids, asked, 24, 4))
+    assert [len(b) for b in batches] == [4, 2]
+    convs = batches[0] + batches[1]
     opening = tokenizer.encode_chat([{"role": "user", "content": "\u2063"}])
     cut = opening.index(tokenizer.encode("\u2063", add_special_tokens=False)[0])
     requests, start = set(), len(tokenizer.decode(opening[:cut]))
@@ -367,6 +370,45 @@ def test_the_target_writes_requests_and_answers_them_greedily(tmp_path):
     assert len(requests) == 6
 
 
+def test_an_interrupted_synthesis_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Killed after its first batch of answers, a --synthesize run keeps the requests and
+    that batch; run again, it answers only the rest, and ends with the conversations an
+    uninterrupted run writes. Another count in the same work directory is refused."""
+    from rich.console import Console
+
+    from edgespec.export.source import open_source
+    from edgespec.tokenizer import Tokenizer
+    from edgespec.train import data, trainer
+    from tests.real_models import smollm2_gguf
+
+    source = open_source(str(smollm2_gguf()), tmp_path / "src")
+    tokenizer = Tokenizer.from_dir(source.tokenizer_dir)
+    opts = trainer.TrainOptions(synthesize=5, gen_batch=2, max_new_tokens=8)
+    quiet = Console(quiet=True)
+    whole = trainer.self_written(source, tokenizer, opts, tmp_path / "whole", quiet)
+    assert len(whole) == 5
+
+    answered, answers = data.answered, []
+
+    def killed_after_one(model, tok, eos, requests, limit, batch):
+        """The first run is killed once it has answered one batch."""
+        answers.append(len(requests))
+        for i, convs in enumerate(answered(model, tok, eos, requests, limit, batch)):
+            if i == 1 and len(answers) == 1:
+                raise RuntimeError("killed")
+            yield convs
+
+    monkeypatch.setattr(data, "answered", killed_after_one)
+    work = tmp_path / "resumed"
+    with pytest.raises(RuntimeError, match="killed"):
+        trainer.self_written(source, tokenizer, opts, work, quiet)
+    assert trainer.self_written(source, tokenizer, opts, work, quiet) == whole
+    assert answers == [5, 3]  # the second run answered the three left
+    with pytest.raises(data.EdgespecError, match="holds 5 self-written requests"):
+        trainer.self_written(source, tokenizer, trainer.TrainOptions(synthesize=6), work,
+                             quiet)
+
+
 def test_synthesize_refuses_a_model_without_a_chat_template(tiny, tmp_path):
     from edgespec.export import export
     from edgespec.tokenizer import Tokenizer
@@ -377,7 +419,7 @@ def test_synthesize_refuses_a_model_without_a_chat_template(tiny, tmp_path):
     base = Tokenizer.from_dir(tmp_path / "b")
     base.chat_template = None  # as a base model's GGUF file or checkpoint has it
     with pytest.raises(data.EdgespecError, match="a base model writes no requests"):
-        data.self_written(model, base, [0], 2, 8, 0, 2, lambda n: None)
+        data.self_requests(model, base, [0], 2, 0, 2, lambda n: None)
 
 
 def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_path):

@@ -17,7 +17,7 @@ answering), and the head learns the target's next state along it all the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,20 +216,38 @@ def check_chat(tokenizer: Tokenizer) -> None:
                             "base model writes no requests; give it --text instead.")
 
 
-def self_written(model, tokenizer: Tokenizer, eos_ids: list[int], n: int,
-                 max_new_tokens: int, seed: int, batch: int,
-                 on_batch: Callable[[int], None], max_request_tokens: int = 64
-                 ) -> list[list[int]]:
-    """Conversations a chat model writes itself, both turns (Magpie, arXiv 2406.08464):
-    sampled at T=1 after its chat template's open user turn, it writes a request of the
-    kind it was tuned on, then answers it greedily; returned as token ids, the answer's
-    end-of-turn token included.
+def _continue(model, rows: list[list[int]], eos_ids: list[int], sample: bool,
+              limit: int) -> list[list[int]]:
+    """Continue each row (left-padded into one batch) until an end token, which a sampled
+    row must reach (a cut request is dropped: empty); a greedy one is cut at `limit`."""
+    import torch
+
+    stop = int(eos_ids[0])
+    width = max(map(len, rows))
+    ids = torch.tensor([[stop] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, do_sample=sample,
+                             temperature=1.0 if sample else None, top_p=None, top_k=None,
+                             max_new_tokens=limit, eos_token_id=list(eos_ids),
+                             pad_token_id=stop)
+    written = []
+    for row in out[:, width:].tolist():
+        ends = [i for i, t in enumerate(row) if t in eos_ids]
+        written.append(row[:ends[0] + 1] if ends else [] if sample else row)
+    return written
+
+
+def self_requests(model, tokenizer: Tokenizer, eos_ids: list[int], n: int, seed: int,
+                  batch: int, on_batch: Callable[[int], None],
+                  max_request_tokens: int = 64) -> list[str]:
+    """Requests a chat model writes itself (Magpie, arXiv 2406.08464): sampled at T=1
+    after its chat template's open user turn, it writes requests of the kind it was tuned
+    on; `n` distinct ones, in the order written.
 
     Built-in prompts run out (310 give a head ~50k tokens, which it learns by heart), and
     other text is not what a chat target says. The float model writes in batches (the
-    exported graph answers one prompt at a time); the head then learns the exported
-    target's own states along the text (read_sequences), so only the text is the float
-    model's, and the two agree on most tokens (KL ~0.002 for SmolLM2's file)."""
+    exported graph answers one prompt at a time)."""
     import torch
 
     check_chat(tokenizer)
@@ -237,29 +255,10 @@ def self_written(model, tokenizer: Tokenizer, eos_ids: list[int], n: int,
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": mark}], False)
     opening = tokenizer.encode(rendered[:rendered.index(mark)], add_special_tokens=False)
     torch.manual_seed(seed)
-    stop = int(eos_ids[0])
-
-    def write(rows: list[list[int]], sample: bool, limit: int) -> list[list[int]]:
-        """Continue each row (left-padded into one batch) until an end token, which a
-        sampled row must reach (a cut request is dropped: empty); a greedy one is cut."""
-        width = max(map(len, rows))
-        ids = torch.tensor([[stop] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, do_sample=sample,
-                                 temperature=1.0 if sample else None, top_p=None, top_k=None,
-                                 max_new_tokens=limit, eos_token_id=list(eos_ids),
-                                 pad_token_id=stop)
-        written = []
-        for row in out[:, width:].tolist():
-            ends = [i for i, t in enumerate(row) if t in eos_ids]
-            written.append(row[:ends[0] + 1] if ends else [] if sample else row)
-        return written
-
-    requests: dict[str, None] = {}  # distinct ones, in the order written
+    requests: dict[str, None] = {}
     while len(requests) < n:
         written = len(requests)
-        for request in write([opening] * batch, True, max_request_tokens):
+        for request in _continue(model, [opening] * batch, eos_ids, True, max_request_tokens):
             text = tokenizer.decode(request[:-1]).strip()
             if text and len(requests) < n:
                 requests[text] = None
@@ -267,11 +266,18 @@ def self_written(model, tokenizer: Tokenizer, eos_ids: list[int], n: int,
             raise EdgespecError("the target wrote no new complete request in a whole batch; "
                                 "--synthesize needs a chat model that ends its turns.")
         on_batch(len(requests) - written)
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in requests]
-    conversations: list[list[int]] = []
-    for start in range(0, n, batch):
-        part = prompts[start:start + batch]
-        conversations += [p + a for p, a in zip(part, write(part, False, max_new_tokens),
-                                                strict=True)]
-        on_batch(len(part))
-    return conversations
+    return list(requests)
+
+
+def answered(model, tokenizer: Tokenizer, eos_ids: list[int], requests: list[str],
+             max_new_tokens: int, batch: int) -> Iterator[list[list[int]]]:
+    """Each request through the chat template, then the model's greedy answer with its
+    end-of-turn token, as token ids; yielded a batch at a time, so a caller keeps what is
+    written. The head then learns the exported target's own states along the text
+    (read_sequences): only the text is the float model's, and the two agree on most
+    tokens (KL ~0.002 for SmolLM2's file)."""
+    for start in range(0, len(requests), batch):
+        prompts = [tokenizer.encode_chat([{"role": "user", "content": t}])
+                   for t in requests[start:start + batch]]
+        yield [p + a for p, a in zip(prompts, _continue(model, prompts, eos_ids, False,
+                                                        max_new_tokens), strict=True)]

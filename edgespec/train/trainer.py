@@ -9,9 +9,9 @@ next-token distribution over the kept tokens (cross-entropy against the target's
 soft); 4. the head is written with a model card.
 
 With `synthesize`, step 1 also has the target write conversations itself, request and
-answer (data.self_written), and read them. Step 1 is cached in the work directory and
-training checkpoints itself there, so an interrupted run resumes where it stopped
-(`resume=True`). Everything is seeded.
+answer (self_written), and read them. Step 1 is cached in the work directory, the
+self-written conversations a batch at a time, and training checkpoints itself there, so
+an interrupted run resumes where it stopped (`resume=True`). Everything is seeded.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class TrainOptions:
     seed: int = 0
     gen_batch: int = 64  # conversations the float model writes at once (synthesize)
     text_tokens: int = 150_000  # most tokens of --text the target reads
-    synthesize: int = 0  # conversations the target writes itself (data.self_written)
+    synthesize: int = 0  # conversations the target writes itself (data.self_requests)
 
 
 def _progress(console: Console) -> Progress:
@@ -126,26 +126,49 @@ def read_text(bundle: Path, texts: list[str], opts: TrainOptions, work: Path,
     return _cached(work / "text.npz", "text windows", console, read)
 
 
+def self_written(source: Source, tokenizer: Tokenizer, opts: TrainOptions, work: Path,
+                 console: Console) -> list[list[int]]:
+    """The conversations the target writes itself (data.self_requests, data.answered),
+    kept in `work` as they are made, so an interrupted run loses one batch at most: the
+    requests (synthesized_requests.json), then the conversations answered so far
+    (synthesized_ids.npz), rewritten after every batch."""
+    work.mkdir(parents=True, exist_ok=True)
+    asked, ids = work / "synthesized_requests.json", work / "synthesized_ids.npz"
+    seqs = [t.tolist() for t in _load_joined(ids, "tokens")[0]] if ids.is_file() else []
+    if asked.is_file():
+        requests = json.loads(asked.read_text())
+        if len(requests) != opts.synthesize:
+            raise EdgespecError(f"{work} holds {len(requests)} self-written requests, not "
+                                f"{opts.synthesize}; pass --synthesize {len(requests)}, or "
+                                "another --work directory.")
+        if len(seqs) == len(requests):
+            return seqs
+    model = data.float_model(source.name, source.kind)
+    with _progress(console) as progress:
+        if not asked.is_file():
+            task = progress.add_task("the target writes requests", total=opts.synthesize)
+            requests = data.self_requests(model, tokenizer, source.eos_ids, opts.synthesize,
+                                          opts.seed, opts.gen_batch,
+                                          lambda k: progress.advance(task, k))
+            tmp = asked.with_suffix(".part")
+            tmp.write_text(json.dumps(requests, ensure_ascii=False))
+            tmp.replace(asked)
+        task = progress.add_task("the target answers them", total=len(requests),
+                                 completed=len(seqs))
+        for convs in data.answered(model, tokenizer, source.eos_ids, requests[len(seqs):],
+                                   opts.max_new_tokens, opts.gen_batch):
+            seqs += convs
+            _save_joined(ids, tokens=[np.array(t, np.int64) for t in seqs])
+            progress.advance(task, len(convs))
+    return seqs
+
+
 def synthesized(source: Source, bundle: Path, opts: TrainOptions, work: Path,
                 console: Console) -> list[data.Conversation]:
-    """Conversations the target writes itself and its states along them, cached in
-    `work`: the text (synthesized_ids.npz) as soon as it is written, then the states."""
-    def write() -> list[list[int]]:
-        ids = work / "synthesized_ids.npz"
-        if ids.is_file():
-            return [t.tolist() for t in _load_joined(ids, "tokens")[0]]
-        with _progress(console) as progress:
-            task = progress.add_task("the target writes requests, then answers",
-                                     total=2 * opts.synthesize)
-            seqs = data.self_written(data.float_model(source.name, source.kind),
-                                     Tokenizer.from_dir(bundle), source.eos_ids,
-                                     opts.synthesize, opts.max_new_tokens, opts.seed,
-                                     opts.gen_batch, lambda k: progress.advance(task, k))
-        _save_joined(ids, tokens=[np.array(t, np.int64) for t in seqs])
-        return seqs
-
+    """Self-written conversations and the exported target's states along them (read in
+    one pass each), cached in `work` (synthesized.npz)."""
     def read() -> list[data.Conversation]:
-        seqs = write()
+        seqs = self_written(source, Tokenizer.from_dir(bundle), opts, work, console)
         with _progress(console) as progress:
             task = progress.add_task("target reads them", total=sum(map(len, seqs)))
             return data.read_sequences(bundle, seqs, torch.get_num_threads(),
