@@ -1,8 +1,8 @@
 """What `--model` names -> a bundle directory: a bundle as it is, anything else (a GGUF
 file, a Hugging Face checkpoint directory, a Hub id) exported once into the user cache.
 
-A cached bundle is keyed by the source's content (sha256 of its files) and the export
-options, so a changed file is exported again and an unchanged one never is. Hashing a
+A cached bundle is keyed by the source's content (sha256 of its files), the export
+options and EXPORTER, so a changed file is exported again and an unchanged one never is. Hashing a
 big file costs seconds, so each file's hash is remembered against its size and
 modification time. Exports are written atomically (write_bundle), so an interrupted one
 leaves nothing that looks finished.
@@ -21,6 +21,9 @@ from rich.console import Console
 from edgespec.bundle import FORMAT_VERSION, MANIFEST
 from edgespec.errors import EdgespecError
 
+# bumped when exports change what their graphs can do: a bundle cached before still runs,
+# but the cache then exports anew (2: prefills score their last rows only)
+EXPORTER = 2
 SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json")
 
@@ -100,7 +103,7 @@ def cached_bundle(source: str | Path, console: Console | None = None,
     heads = sorted(f"{p.name}:{p.stat().st_size}" for p in SHIPPED.glob("*.npz"))
     key = hashlib.sha256(json.dumps({"source": content, "options": options,
                                      "edgespec": __version__, "format": FORMAT_VERSION,
-                                     "heads": heads},
+                                     "exporter": EXPORTER, "heads": heads},
                                     sort_keys=True).encode()).hexdigest()[:20]
     out = cache_dir() / "bundles" / f"{path.stem}-{key}"
     if (out / MANIFEST).is_file():

@@ -1,6 +1,7 @@
 """Bitwise batch invariance: a token's target logits are the same fed alone (an AR step)
 as inside 5- and 17-token verify chains, on the demo bundle and on real-model exports
-(SmolLM2-135M-Instruct) at every precision and KV format; and therefore greedy
+(SmolLM2-135M-Instruct) at every precision and KV format, and last in a prefill that
+scores its last rows only; and therefore greedy
 speculative decoding equals greedy AR on real prompts, not only on the demo pair.
 
 The oracle is the runtime's own single-token passes (edgespec.runtimes.exactness).
@@ -35,6 +36,7 @@ def assert_chains_exact(path) -> None:
     got = measure(engine.target, tokens(vocab, 40, 0), tokens(vocab, 17, 1), trees=())
     engine.close()
     assert got.chain == {5: 0.0, 17: 0.0}
+    assert got.prefill == {5: 0.0, 17: 0.0}  # a prefill's last row, as it draws a token
 
 
 def test_demo_bundle_chains_are_bitwise(demo_bundle):

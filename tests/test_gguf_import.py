@@ -147,15 +147,17 @@ def test_gemma_greedy_continuations_equal_transformers(gemma, tmp_path):
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma"])
 def test_default_exports_are_batch_invariant(bundles, name):
-    """A token's logits are bitwise the same fed alone or inside 5- and 17-token chains
-    (no pass has one row, see export.exact_rows), so speculation cannot change a greedy
+    """A token's logits are bitwise the same fed alone, inside 5- and 17-token chains or
+    last in a prefill that scores its last two rows only (no pass has one row, see
+    export.exact_rows), so speculation cannot change a greedy
     answer even at a near-tie."""
     from edgespec.runtimes.exactness import measure
 
     engine = edgespec.load(bundles / name, device="cpu")
     rng = np.random.default_rng(0)
     prefix, ids = (rng.integers(3, engine.target.vocab, n).tolist() for n in (40, 17))
-    assert measure(engine.target, prefix, ids, trees=()).chain == {5: 0.0, 17: 0.0}
+    got = measure(engine.target, prefix, ids, trees=())
+    assert got.chain == got.prefill == {5: 0.0, 17: 0.0}
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma"])

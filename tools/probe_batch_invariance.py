@@ -199,7 +199,8 @@ def probe_bundles(paths: list[str]) -> dict[str, dict]:
         vocab = engine.target.vocab
         prefix, tokens = (rng.integers(3, vocab, n).tolist() for n in (40, 17))
         r = measure(engine.target, prefix, tokens)
-        result[path] = {"chain": r.chain, "tree": r.tree, "exact": r.exact}
+        result[path] = {"chain": r.chain, "tree": r.tree, "prefill": r.prefill,
+                        "exact": r.exact}
         engine.close()
     return result
 

@@ -625,7 +625,12 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     and an int8 graph computes every linear as the exact row-quantized integer GEMM, its
     codes chosen by GPTQ where `hessians` (calibrate, by node name) has the input's XᵀX.
     `last_logits` scores the pass's last row only (logits [1,1,V]): a draft head drafts
-    from its last row, and its first pass reads a whole prompt.
+    from its last row, and its first pass reads a whole prompt. Other graphs take input
+    `logits_from` ([1] int64) instead and score rows from there on (logits [1,S-from,V]):
+    a verification pass scores every row (0), a prefill the last two (the LM head over a
+    whole prompt is a fifth of a SmolLM2 prefill, most of a Gemma 3 one); two, not one,
+    so its rows go through the same multi-row kernels as in any other pass (exact_rows)
+    and stay bitwise what a full pass gives.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
@@ -651,8 +656,10 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
         inputs.append(helper.make_tensor_value_info("use_residual", TensorProto.BOOL, []))
     # a trimmed draft head (VocabTrim) has fewer rows than the vocabulary
     vocab = "vocab" if draft_head_rows is not None else rows_of(lm_head)
+    if not last_logits:
+        inputs.append(helper.make_tensor_value_info("logits_from", TensorProto.INT64, [1]))
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT,
-                                             [1, 1 if last_logits else s_dim, vocab])]
+                                             [1, 1 if last_logits else "scored", vocab])]
     if hidden_output:
         outputs.append(helper.make_tensor_value_info("hidden", TensorProto.FLOAT,
                                                      [1, s_dim, spec.hidden_size]))
@@ -828,11 +835,11 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     elif hidden_output:
         hidden = exact_rows.real_rows(g, h, "hidden") if cut_late else h
         g.node("Cast", [hidden], ["hidden"], "hidden", to=TensorProto.FLOAT)
-    if last_logits:
-        h = g.node("Slice", [h, g.const("i64.minus1", np.array([-1], np.int64)),
-                             g.const("i64.end", np.array([np.iinfo(np.int64).max], np.int64)),
-                             g.const("exact.axis1", np.array([1], np.int64))],
-                   ["final.last"], "final.last")[0]
+    h = g.node("Slice", [h, g.const("i64.minus1", np.array([-1], np.int64)) if last_logits
+                         else "logits_from",
+                         g.const("i64.end", np.array([np.iinfo(np.int64).max], np.int64)),
+                         g.const("exact.axis1", np.array([1], np.int64))],
+               ["final.scored"], "final.scored")[0]
     head_bits = 8 if precision in BITS else None
     if draft_head_rows is not None:
         logits = g.trimmed_nested_head(h, lm_head, draft_head_rows, "lm_head")

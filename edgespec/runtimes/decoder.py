@@ -256,6 +256,8 @@ class DecoderSession:
         # a head graph scores its last row only (export.graph's last_logits); older ones all
         logits_rows = next(o.shape[1] for o in self.session.get_outputs() if o.name == "logits")
         self.last_logits = logits_rows == 1
+        # other graphs score rows from `logits_from` on (older ones: all of them)
+        self.scores_from = "logits_from" in {i.name for i in self.session.get_inputs()}
         if self.hidden is not None and not self.is_head:
             self.features = np.zeros((self.max_len + 1, entry.hidden_size), np.float32)
         self.cache.bind(self.binding)  # the presents are bound last, in every binding
@@ -278,15 +280,17 @@ class DecoderSession:
             self.cache.bind(self.sample_binding)
 
     def forward(self, ids: list[int] | np.ndarray, positions: np.ndarray | None = None,
-                bias: np.ndarray | None = None) -> np.ndarray:
+                bias: np.ndarray | None = None, last: bool = False) -> np.ndarray:
         """Append `ids` after the cached prefix and return their logits [S, V].
 
         `positions` and `bias` default to a left-to-right chunk; a token tree passes node
-        depths and a [1,1,S,past+S] bias with -inf for non-ancestors.
+        depths and a [1,1,S,past+S] bias with -inf for non-ancestors. `last`: only the
+        last row is wanted (a prefill), so a graph that can skips scoring the others and
+        returns the last two rows (export.graph's `logits_from`).
         """
-        past, s = self._feed(self.binding, ids, positions, bias)
+        past, s = self._feed(self.binding, ids, positions, bias, last)
         reuse = not isinstance(self.cache, ConcatKVCache)
-        self.logits.bind((1, s, self.vocab), reuse=reuse)
+        self.logits.bind((1, self.scored(s, last), self.vocab), reuse=reuse)
         if self.hidden is not None:
             self.hidden.bind((1, s, self.entry.hidden_size), reuse=reuse)
         self._run(self.binding, past + s)
@@ -331,18 +335,26 @@ class DecoderSession:
         softmax(logits / temperature) [V], and its running sum in float64 [V]: a sampling
         chain's q row and what to draw from (spec.sampling.sample_cdf)."""
         binding = self.sample_binding
-        past, s = self._feed(binding, ids, None, None)
+        past, s = self._feed(binding, ids, None, None, last=True)
         binding.bind_cpu_input("temperature", np.array(temperature, np.float32))
         self._run(binding, past + s)
         return self.last[0].read(), self.last[1].read()
 
+    def scored(self, s: int, last: bool) -> int:
+        """How many rows of logits a pass of `s` tokens returns."""
+        return s - scored_from(s, last) if self.scores_from else s
+
     def _feed(self, binding: ort.IOBinding, ids: list[int] | np.ndarray,
-              positions: np.ndarray | None, bias: np.ndarray | None) -> tuple[int, int]:
+              positions: np.ndarray | None, bias: np.ndarray | None, last: bool = False
+              ) -> tuple[int, int]:
         past = self.cache.length
         feeds = step_inputs(ids, positions, bias, past, self.max_len)
         for name, value in zip(STEP_INPUTS, feeds, strict=True):
             binding.bind_cpu_input(name, value)
-        return past, feeds[0].shape[1]
+        s = feeds[0].shape[1]
+        if self.scores_from:
+            binding.bind_cpu_input("logits_from", np.array([scored_from(s, last)], np.int64))
+        return past, s
 
     def _run(self, binding: ort.IOBinding, length: int) -> None:
         self.cache.before_run(binding)
@@ -353,6 +365,13 @@ class DecoderSession:
 
 
 STEP_INPUTS = ("input_ids", "position_ids", "attention_bias")
+
+
+def scored_from(s: int, last: bool) -> int:
+    """The first row a pass of `s` tokens scores: all rows, or the last two when only the
+    last is wanted (two, so the LM head's rows take its multi-row kernel, see
+    export.exact_rows)."""
+    return max(0, s - 2) if last else 0
 
 
 def step_inputs(ids: list[int] | np.ndarray, positions: np.ndarray | None,

@@ -2,11 +2,12 @@
 
 Greedy speculative decoding is token-for-token equal to autoregressive decoding only if
 the target's logits for a token are the same whether the token is fed alone (an AR step),
-inside a chain of S tokens (a verify pass). Tree passes are not (ONNX Runtime's CPU
-attention), which is why tree decoding verifies the path a tree pass picks by a chain
-pass (spec.decode.tree_decode). This module feeds the same tokens all three ways (alone,
-in chains, along one path of a tree) after the same prefix and reports the largest
-difference per way; 0.0 is bitwise batch invariance. Tests and
+inside a chain of S tokens (a verify pass), or last in a prefill that scores its last
+rows only (`forward(..., last=True)`, which draws the first token). Tree passes are not
+(ONNX Runtime's CPU attention), which is why tree decoding verifies the path a tree pass
+picks by a chain pass (spec.decode.tree_decode). This module feeds the same tokens every
+way (alone, in chains, last in a prefill, along one path of a tree) after the same prefix
+and reports the largest difference per way; 0.0 is bitwise batch invariance. Tests and
 tools/probe_batch_invariance.py use it on real bundles.
 """
 
@@ -26,10 +27,12 @@ class Invariance:
 
     chain: dict[int, float]  # by tokens per pass
     tree: dict[int, float]  # by nodes per pass
+    prefill: dict[int, float]  # the last token of prefix + S tokens, by S
 
     @property
     def exact(self) -> bool:
-        return all(v == 0.0 for v in (*self.chain.values(), *self.tree.values()))
+        return all(v == 0.0 for v in (*self.chain.values(), *self.tree.values(),
+                                      *self.prefill.values()))
 
 
 def _after_prefix(model: DecoderSession, prefix: list[int], ids: list[int],
@@ -62,13 +65,17 @@ def decoy_tree(tokens: list[int], vocab: int) -> tuple[DraftTree, list[int]]:
 def measure(model: DecoderSession, prefix: list[int], tokens: list[int],
             chains: tuple[int, ...] = (5, 17), trees: tuple[int, ...] = (5, 17)) -> Invariance:
     """Feed `tokens` (at least max(chains) of them, and (max(trees)+1)/2) after `prefix`
-    alone, in chain passes of each size and along one path of decoy trees of each size
-    (root + 2 nodes per depth), and compare with the tokens fed alone."""
+    alone, in chain passes of each size, last in one prefill pass of the prefix and S of
+    them (for each chain size S) and along one path of decoy trees of each size (root + 2
+    nodes per depth), and compare with the tokens fed alone."""
     ref = alone(model, prefix, tokens)
-    chain = {}
+    chain, prefill = {}, {}
     for s in chains:
         got = _after_prefix(model, prefix, tokens[:s])
         chain[s] = float(np.abs(got - ref[:s]).max())
+        model.cache.reset()
+        last = model.forward(prefix + tokens[:s], last=True)[-1]
+        prefill[s] = float(np.abs(last - ref[s - 1]).max())
     tree = {}
     for s in trees:
         depth = (s - 1) // 2
@@ -80,4 +87,4 @@ def measure(model: DecoderSession, prefix: list[int], tokens: list[int],
         rows = [0, *(1 + n for n in path)]
         tree[len(ids)] = float(np.abs(got[rows] - ref[:depth + 1]).max())
     model.cache.reset()
-    return Invariance(chain, tree)
+    return Invariance(chain, tree, prefill)

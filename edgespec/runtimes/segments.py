@@ -32,6 +32,7 @@ from edgespec.runtimes.decoder import (
     HostOutput,
     KVCache,
     open_session,
+    scored_from,
     step_inputs,
 )
 from edgespec.runtimes.providers import PROVIDER, check_session
@@ -246,11 +247,16 @@ class SegmentedDecoder:
         self._pool = ThreadPoolExecutor(1, "edgespec-prefetch") if overlap else None
 
     def forward(self, ids: list[int] | np.ndarray, positions: np.ndarray | None = None,
-                bias: np.ndarray | None = None) -> np.ndarray:
+                bias: np.ndarray | None = None, last: bool = False) -> np.ndarray:
+        """As DecoderSession.forward, one segment after another."""
         past = self.cache.length
         feeds = dict(zip(STEP_INPUTS, step_inputs(ids, positions, bias, past, self.max_len),
                          strict=True))
         s = feeds["input_ids"].shape[1]
+        rows = s
+        if "logits_from" in self.segments[-1].inputs:
+            feeds["logits_from"] = np.array([scored_from(s, last)], np.int64)
+            rows = s - scored_from(s, last)
         streamed = [seg for seg in self.segments if seg.weights]
         pending: dict[int, Future[float]] = {}
         hidden: list[ort.OrtValue] = []
@@ -269,7 +275,7 @@ class SegmentedDecoder:
             for name, value in zip(seg.hidden_in, hidden, strict=True):
                 seg.binding.bind_ortvalue_input(name, value)
             if seg.logits is not None:
-                seg.logits.bind((1, s, self.entry.vocab_size))
+                seg.logits.bind((1, rows, self.entry.vocab_size))
             for name in seg.hidden_out if seg.logits is None else ():
                 seg.binding.bind_output(name, seg.device)  # fresh: the shape follows S
             t0 = time.perf_counter()

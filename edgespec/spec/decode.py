@@ -34,7 +34,7 @@ def prefill(target: Model, ids: list[int], params: SamplingParams, rng: np.rando
     t0 = time.perf_counter()
     held = target.cache.length
     assert held < len(ids), "the cache must leave at least the prompt's last token to feed"
-    logits = target.forward(ids[held:])
+    logits = target.forward(ids[held:], last=True)
     stats.target_passes += 1
     stats.prefill_s = time.perf_counter() - t0
     if on_logits:

@@ -38,7 +38,9 @@ class Model(Protocol):
     max_len: int
 
     def forward(self, ids: list[int], positions: np.ndarray | None = None,
-                bias: np.ndarray | None = None) -> np.ndarray: ...
+                bias: np.ndarray | None = None, last: bool = False) -> np.ndarray:
+        """`last`: only the last row is read; a model may then return fewer rows
+        (the last still last)."""
 
 
 class Drafter(Protocol):
@@ -78,7 +80,7 @@ class ModelDrafter:
             if in_graph:
                 q, cdf = self.model.forward_sample(feed, params.temperature)
             else:
-                logits = self.model.forward(feed)[-1]
+                logits = self.model.forward(feed, last=True)[-1]
                 q = warp(logits, params if not params.greedy else SamplingParams(1.0)) \
                     if need_q else None
             if proposals and q is not None and should_stop(q, self.stop_rule,
@@ -332,8 +334,8 @@ class TrimmedModel:
         return self.model.max_len
 
     def forward(self, ids: list[int], positions: np.ndarray | None = None,
-                bias: np.ndarray | None = None) -> np.ndarray:
-        small = self.model.forward(ids, positions, bias)
+                bias: np.ndarray | None = None, last: bool = False) -> np.ndarray:
+        small = self.model.forward(ids, positions, bias, last)
         full = np.full((small.shape[0], self.vocab_size), NEG_INF, dtype=np.float32)
         full[:, self.kept] = small
         return full
