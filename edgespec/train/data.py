@@ -173,11 +173,12 @@ def read_along(bundle: Path, texts: list[str], window: int, max_tokens: int, see
 
 def _read(target, sequences: list[list[int]], on_read: Callable[[int], None]
           ) -> list[Conversation]:
-    """The target's states along each sequence, read in one pass from an empty cache."""
+    """The target's states along each sequence, read in one pass from an empty cache
+    (whose logits are not wanted: the LM head scores the last rows only)."""
     out = []
     for ids in sequences:
         target.cache.reset()
-        target.forward(ids)
+        target.forward(ids, last=True)
         out.append(Conversation(np.array(ids, dtype=np.int64),
                                 target.features[:len(ids)].astype(np.float16)))
         on_read(len(ids))
