@@ -103,6 +103,27 @@ def test_a_head_chain_ends_where_its_stop_rule_says_and_stays_lossless(stop):
         assert stats.drafted == per_chain * (stats.target_passes - 1)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_head_reads_the_last_window_of_a_long_prompt(seed):
+    """Its first pass over a 40-token prompt reads the last 5 pairs only, each state with
+    the token that followed it (ToyHead checks the alignment), and later passes go on
+    from there; greedy output is still AR's."""
+    target_table, draft_table = tables(seed)
+    greedy = SamplingParams(0.0)
+    prompt = [2, 0, *take(ar_decode(MarkovModel(target_table), [2, 0], SamplingParams(1.0),
+                                    np.random.default_rng(7), GenerationStats("ar")), 38)]
+    want = take(ar_decode(MarkovModel(target_table, 200), prompt, greedy, np.random.default_rng(0),
+                          GenerationStats("ar")), 30)
+    target = FeatureMarkov(target_table, 200)
+    head = ToyHead(draft_table, KEPT)
+    drafter = HeadDrafter(head, target, KEPT, V, window=5)
+    got = take(chain_decode(target, drafter, prompt, greedy, 2, np.random.default_rng(0),
+                            GenerationStats("spec")), 30)
+    assert got == want
+    assert drafter.skipped == len(prompt) - 5
+    assert head.tokens[:5] == [*prompt[-4:], want[0]]
+
+
 def hybrid_run(target_table, draft_table, params, rng, stats, prompt=(0, 1, 2, 0, 1, 2, 0)):
     target = FeatureMarkov(target_table, 200)
     drafter = HybridDrafter(HeadDrafter(ToyHead(draft_table, KEPT), target, KEPT, V), 4)

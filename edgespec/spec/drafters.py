@@ -112,24 +112,35 @@ class HeadDrafter:
     them in the next round. `kept` maps the head's rows to token ids; other tokens have
     q = 0, so verification over the full vocabulary stays exact. `stop_rule` (see
     spec.adaptive) ends a chain once the head grows unsure, as for ModelDrafter.
+
+    A head reads at most the last `window` tokens of what it is first given: it learned
+    from windows of 256 tokens (train-draft's seq_len), and its first pass over a whole
+    long prompt costs up to a second of decoding time (SmolLM2's head, 2,957 tokens:
+    1.15 s); what it then drafts from is the target's states, which saw everything.
+    On SmolLM2's RAG and summary prompts (greedy, 96 tokens) its acceptance is the same
+    with 256, 512 or all tokens read (36.6%, 36.1%, 36.1%), its drafting time a third.
     """
 
     def __init__(self, head, target, kept: np.ndarray, vocab_size: int,
-                 stop_rule: str = "none", threshold: float = 0.4):
+                 stop_rule: str = "none", threshold: float = 0.4, window: int = 256):
         """`head` has `forward_head(ids, hidden) -> (logits [S, K], states [S, d])` and a
         cache; `target.features[j]` is the target's state after token j."""
         self.head, self.target = head, target
         self.kept = np.asarray(kept, dtype=np.int64)
         self.vocab_size = vocab_size
         self.stop_rule, self.threshold = stop_rule, threshold
+        self.window = window
         self.known = 0  # head positions fed with the target's own states
+        self.skipped = 0  # leading tokens the head never reads (`window`)
 
     def reset(self) -> None:
         self.head.cache.reset()
-        self.known = 0
+        self.known = self.skipped = 0
 
     def propose(self, tokens, n, params, rng, stats):
-        start = self.head.cache.length
+        if self.head.cache.length == 0:
+            self.skipped = max(0, len(tokens) - 1 - self.window)
+        start = self.head.cache.length + self.skipped
         ids = tokens[start + 1:]
         states = self.target.features[start:len(tokens) - 1]
         proposals: list[int] = []
