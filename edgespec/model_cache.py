@@ -79,11 +79,24 @@ def source_hash(path: Path) -> str:
     return digest
 
 
+def cache_key(content: str, options: dict[str, Any]) -> str:
+    """What a cached export depends on: the source's content hash, the options, this
+    edgespec and the heads it ships (a head shipped or retrained later changes what a
+    default export holds; a retrained one has the same size, so its content counts)."""
+    from edgespec import __version__
+    from edgespec.export.draft_head import SHIPPED
+
+    heads = sorted(f"{p.name}:{source_hash(p)}" for p in SHIPPED.glob("*.npz"))
+    return hashlib.sha256(json.dumps({"source": content, "options": options,
+                                      "edgespec": __version__, "format": FORMAT_VERSION,
+                                      "exporter": EXPORTER, "heads": heads},
+                                     sort_keys=True).encode()).hexdigest()[:20]
+
+
 def cached_bundle(source: str | Path, console: Console | None = None,
                   **options: Any) -> Path:
     """The bundle exported from `source` with `options` (edgespec.export.export's),
     exported now if the cache has none yet."""
-    from edgespec import __version__
     from edgespec.export.source import is_gguf
 
     path = Path(source).expanduser()
@@ -97,15 +110,7 @@ def cached_bundle(source: str | Path, console: Console | None = None,
 
         path = resolve_checkpoint(str(source))
         content = source_hash(path)
-    from edgespec.export.draft_head import SHIPPED
-
-    # a head shipped later changes what a default export holds
-    heads = sorted(f"{p.name}:{p.stat().st_size}" for p in SHIPPED.glob("*.npz"))
-    key = hashlib.sha256(json.dumps({"source": content, "options": options,
-                                     "edgespec": __version__, "format": FORMAT_VERSION,
-                                     "exporter": EXPORTER, "heads": heads},
-                                    sort_keys=True).encode()).hexdigest()[:20]
-    out = cache_dir() / "bundles" / f"{path.stem}-{key}"
+    out = cache_dir() / "bundles" / f"{path.stem}-{cache_key(content, options)}"
     if (out / MANIFEST).is_file():
         return out
     from edgespec.export import export

@@ -4,6 +4,7 @@ transformers' own GGUF loading (an independent dequantizer and tokenizer convers
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -313,3 +314,21 @@ def test_bad_gguf_files_are_refused_in_one_sentence(tmp_path, case, expected):
     assert expected in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert sorted(tmp_path.iterdir()) == before  # nothing written, nothing removed
+
+
+def test_a_retrained_shipped_head_makes_the_cache_export_again(tmp_path, monkeypatch):
+    """A head retrained for the same model has the same size; the cached default export
+    must still change with it, so --model picks up the new head."""
+    from edgespec.export import draft_head
+    from edgespec.model_cache import cache_key
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(draft_head, "SHIPPED", tmp_path / "drafts")
+    (tmp_path / "drafts").mkdir()
+    head = tmp_path / "drafts" / "model.npz"
+    head.write_bytes(b"\0" * 64)
+    before = cache_key("content", {})
+    head.write_bytes(b"\1" * 64)
+    os.utime(head, ns=(1, 1))  # a new mtime, as a reinstalled package has
+    assert cache_key("content", {}) != before
+    assert cache_key("content", {"precision": "int8"}) != cache_key("content", {})
