@@ -64,9 +64,9 @@ KEPT = np.array([0, 1, 3, 4])  # token 2 cannot be drafted (VocabTrim)
 
 
 def head_run(target_table, draft_table, params, gamma, rng, kept=KEPT, stop=("none", 0.4),
-             stats=None):
+             stats=None, window=256):
     target = FeatureMarkov(target_table, 200)
-    drafter = HeadDrafter(ToyHead(draft_table, kept), target, kept, V, *stop)
+    drafter = HeadDrafter(ToyHead(draft_table, kept), target, kept, V, *stop, window=window)
     return chain_decode(target, drafter, [2, 0], params, gamma, rng,
                         stats or GenerationStats("spec"))
 
@@ -184,11 +184,12 @@ def test_a_perfect_head_is_always_accepted():
 
 
 @pytest.mark.parametrize("params", PARAMS)
-def test_head_sampling_preserves_sequence_distribution(params):
+@pytest.mark.parametrize("window", [256, 1])  # 1: the head's first pass skips the prompt
+def test_head_sampling_preserves_sequence_distribution(params, window):
     target_table, draft_table = tables(1)
     rng = np.random.default_rng(7)
-    samples = [tuple(take(head_run(target_table, draft_table, params, 3, rng), 3))
-               for _ in range(6000)]
+    samples = [tuple(take(head_run(target_table, draft_table, params, 3, rng,
+                                   window=window), 3)) for _ in range(6000)]
     assert_matches(samples, exact_distribution(target_table, 0, 3, params))
 
 
