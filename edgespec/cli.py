@@ -225,12 +225,18 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
 @click.option("--synthesize", default=0, show_default=True, type=click.IntRange(0),
               help="Conversations the target writes itself, request and answer (a chat "
                    "model; in float, in batches), and then reads.")
+@click.option("--init", type=click.Path(path_type=Path, dir_okay=False),
+              help="A trained head for this target (.npz) to start from: its shape, tokens "
+                   "(--kept is then its own) and weights, trained further on this run's data "
+                   "(your documents, more conversations).")
+@click.option("--lr", default=1e-3, show_default=True, type=click.FloatRange(0, min_open=True),
+              help="Peak learning rate (one warm-up-and-decay cycle over --steps).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--threads", default=0, type=click.IntRange(0), help="PyTorch threads.")
 def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None, steps: int,
                 unroll: int, kept: int, max_new_tokens: int, greedy_only: bool,
-                texts: tuple[Path, ...], text_tokens: int, synthesize: int, seed: int,
-                threads: int) -> None:
+                texts: tuple[Path, ...], text_tokens: int, synthesize: int, init: Path | None,
+                lr: float, seed: int, threads: int) -> None:
     """Train an EAGLE draft head for TARGET (a .gguf file or checkpoint directory) from
     the target alone; `edgespec export TARGET --draft OUT` then speculates with it."""
     import tempfile
@@ -244,6 +250,7 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
     except ImportError as e:
         raise EdgespecError(f"train-draft needs PyTorch and transformers ({e.name} is "
                             "missing); pip install 'edgespec[export]'.") from None
+    from edgespec.export.draft_head import load_head
     from edgespec.export.source import open_source
 
     if out.suffix != ".npz":
@@ -252,7 +259,9 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
         torch.set_num_threads(threads)
     opts = TrainOptions(steps=steps, unroll=unroll, kept=kept, max_new_tokens=max_new_tokens,
                         sampled=not greedy_only, seed=seed, text_tokens=text_tokens,
-                        synthesize=synthesize)
+                        synthesize=synthesize, lr=lr, init=str(init) if init else None)
+    if init is not None:
+        load_head(init)  # a file that is no head is refused before any work
     text = read_texts(list(texts)) if texts else None
     with tempfile.TemporaryDirectory(prefix="edgespec-source-") as scratch:
         source = open_source(target, Path(scratch))

@@ -4,6 +4,7 @@ exported head graph against its PyTorch definition, and heads in real bundles.""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -251,8 +252,7 @@ def torch_head(head, model):
     embed = model.get_input_embeddings().weight.detach()
     lm = model.get_output_embeddings().weight.detach()[torch.from_numpy(head.kept)]
     module = EagleHead(head.config, embed, lm)
-    state = {k.removeprefix("layer."): torch.from_numpy(v) for k, v in head.weights.items()}
-    module.load_state_dict({f"{k}.weight": v for k, v in state.items()}, strict=True)
+    module.load_weights(head.weights)
     return module.eval()
 
 
@@ -468,6 +468,42 @@ def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_
         out = run("train-draft", str(path), "--out", str(tmp_path / "x.npz"), *common,
                   "--text", str(bad), env=env)
         assert out.returncode != 0 and message in out.stderr
+        assert "Traceback" not in out.stderr and not (tmp_path / "x.npz").exists()
+
+
+def test_train_draft_starts_from_a_trained_head_and_refuses_another_models(
+        tiny, trained, tmp_path, demo_target):
+    """--init: the head's own tokens and shape (whatever --kept says) and its weights as
+    the start; a learning rate too small to move a float16 weight gives them back as
+    they were, a real one moves them. A head for another model, or a file that is no
+    head, is refused in one sentence with nothing written."""
+    from edgespec.export.draft_head import load_head
+    from tests.test_cli import run
+
+    path, _ = tiny
+    (tmp_path / "prompts.txt").write_text("import os\nclass Queue:\n")
+    env = {"EDGESPEC_CACHE": str(tmp_path / "cache")}
+    common = ["--steps", "2", "--kept", "64", "--max-new-tokens", "8", "--greedy-only",
+              "--prompts", str(tmp_path / "prompts.txt"), "--init", str(trained)]
+    start = load_head(trained)
+    for lr, moved in (("1e-12", False), ("1e-2", True)):
+        out = run("train-draft", str(path), "--out", str(tmp_path / f"{lr}.npz"), *common,
+                  "--lr", lr, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr
+        head = load_head(tmp_path / f"{lr}.npz")
+        assert np.array_equal(head.kept, start.kept) and len(head.kept) == 256
+        assert vars(head.config) == vars(start.config)
+        same = [np.array_equal(head.weights[k], w) for k, w in start.weights.items()]
+        assert all(same) if not moved else not any(same)
+        assert head.card["init"] == {"file": trained.name, "card": start.card}
+    bogus = tmp_path / "bogus.npz"
+    np.savez(bogus, x=np.zeros(3))
+    for target, init, message in ((demo_target, trained, "another model|of width"),
+                                  (path, bogus, "not an edgespec draft head"),
+                                  (path, tmp_path / "missing.npz", "cannot read")):
+        out = run("train-draft", str(target), "--out", str(tmp_path / "x.npz"), *common[:-1],
+                  str(init), env=env, timeout=600)
+        assert out.returncode != 0 and re.search(message, out.stderr), out.stderr
         assert "Traceback" not in out.stderr and not (tmp_path / "x.npz").exists()
 
 

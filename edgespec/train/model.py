@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -122,6 +123,12 @@ class EagleHead(nn.Module):
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         return states @ self.lm_head.T
+
+    def load_weights(self, weights: dict[str, np.ndarray]) -> None:
+        """A trained head's weights (DraftHead.weights, export_weights' names)."""
+        state = {f"{k.removeprefix('layer.')}.weight": torch.from_numpy(np.asarray(v, np.float32))
+                 for k, v in weights.items()}
+        self.load_state_dict(state, strict=True)
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         """In export.draft_head's names and HF's [out, in] layout."""

@@ -12,6 +12,10 @@ With `synthesize`, step 1 also has the target write conversations itself, reques
 answer (self_written), and read them. Step 1 is cached in the work directory, the
 self-written conversations a batch at a time, and training checkpoints itself there, so
 an interrupted run resumes where it stopped (`resume=True`). Everything is seeded.
+
+With `init`, step 3 starts from a trained head (its kept tokens, shape and weights)
+instead of a fresh one, so new data (the user's documents, more conversations) teaches it
+for the price of this run's steps alone.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
-from edgespec.export.draft_head import DraftHead, HeadConfig, fingerprint
+from edgespec.export.draft_head import DraftHead, HeadConfig, check_fits, fingerprint, load_head
 from edgespec.export.graph import as_float
 from edgespec.export.source import Source
 from edgespec.model_cache import cached_bundle
@@ -58,6 +62,7 @@ class TrainOptions:
     gen_batch: int = 64  # conversations the float model writes at once (synthesize)
     text_tokens: int = 150_000  # most tokens of --text the target reads
     synthesize: int = 0  # conversations the target writes itself (data.self_requests)
+    init: str | None = None  # a trained head to start from (its shape, tokens, weights)
 
 
 def _progress(console: Console) -> Progress:
@@ -223,6 +228,10 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     started = time.time()
     adapter = adapter_for(source.load())
     spec = adapter.spec
+    embeddings = adapter.embeddings()
+    start = load_head(opts.init) if opts.init else None
+    if start is not None:  # before any work: a head for another model is refused
+        check_fits(start, spec, embeddings, Path(opts.init))
     prompts = prompts or data.builtin_prompts()
     bundle = cached_bundle(source.name, console)
     if opts.synthesize:
@@ -232,15 +241,20 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     written = synthesized(source, bundle, opts, work, console) if opts.synthesize else []
     convs = convs + read + written
     answers = np.concatenate([c.tokens for c in convs])
-    counts = np.bincount(answers, minlength=spec.vocab_size)
-    kept = kept_tokens(counts, min(opts.kept, spec.vocab_size), source.eos_ids)
-    config = HeadConfig.for_target(spec, opts.intermediate_size or 2 * spec.hidden_size)
-    embeddings = adapter.embeddings()
+    if start is not None:  # its tokens and shape, whatever this data's counts say
+        kept, config = start.kept, start.config
+    else:
+        counts = np.bincount(answers, minlength=spec.vocab_size)
+        kept = kept_tokens(counts, min(opts.kept, spec.vocab_size), source.eos_ids)
+        config = HeadConfig.for_target(spec, opts.intermediate_size or 2 * spec.hidden_size)
     head = EagleHead(config, torch.from_numpy(as_float(embeddings)),
                      torch.from_numpy(as_float(adapter.lm_head())[kept]), spec.embed_scale)
-    with torch.no_grad():  # start as the identity on the state half: h' ≈ h
-        head.fusion.weight.zero_()
-        head.fusion.weight[:, config.hidden_size:] = torch.eye(config.hidden_size)
+    if start is not None:
+        head.load_weights(start.weights)
+    else:
+        with torch.no_grad():  # start as the identity on the state half: h' ≈ h
+            head.fusion.weight.zero_()
+            head.fusion.weight[:, config.hidden_size:] = torch.eye(config.hidden_size)
     optimizer = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, opts.lr, total_steps=opts.steps,
                                                    pct_start=0.05)
@@ -309,6 +323,8 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
         "final_loss": round(float(recent[0]), 4),
         "train_top1_by_step": [round(float(x), 4) for x in recent[1:]],
     }
+    if start is not None:  # what the head learnt before this run
+        card["init"] = {"file": Path(opts.init).name, "card": start.card}
     result = DraftHead(config, {k: v.numpy() for k, v in head.export_weights().items()},
                        kept, fingerprint(embeddings), card)
     result.save(out)
