@@ -257,11 +257,11 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
         raise EdgespecError(f"{out}: a draft head is written as .npz; name it so.")
     if threads:
         torch.set_num_threads(threads)
+    if init is not None:  # a file that is no head is refused before any work
+        kept = len(load_head(init).kept)  # the head's own tokens, as its card will say
     opts = TrainOptions(steps=steps, unroll=unroll, kept=kept, max_new_tokens=max_new_tokens,
                         sampled=not greedy_only, seed=seed, text_tokens=text_tokens,
                         synthesize=synthesize, lr=lr, init=str(init) if init else None)
-    if init is not None:
-        load_head(init)  # a file that is no head is refused before any work
     text = read_texts(list(texts)) if texts else None
     with tempfile.TemporaryDirectory(prefix="edgespec-source-") as scratch:
         source = open_source(target, Path(scratch))

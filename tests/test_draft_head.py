@@ -496,6 +496,7 @@ def test_train_draft_starts_from_a_trained_head_and_refuses_another_models(
         same = [np.array_equal(head.weights[k], w) for k, w in start.weights.items()]
         assert all(same) if not moved else not any(same)
         assert head.card["init"] == {"file": trained.name, "card": start.card}
+        assert head.card["options"]["kept"] == 256
     bogus = tmp_path / "bogus.npz"
     np.savez(bogus, x=np.zeros(3))
     for target, init, message in ((demo_target, trained, "another model|of width"),
