@@ -22,7 +22,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from edgespec.export import exact_rows, linear_ops
+from edgespec import kernels
+from edgespec.export import blockq_ops, exact_rows, linear_ops
 from edgespec.export.architectures import DecoderSpec, LayerWeights, Weight
 from edgespec.quant.bitnest import NestedWeight, nest
 from edgespec.quant.blockwise import (
@@ -116,6 +117,7 @@ class GraphBuilder:
         self.rowwise = False  # float weights as linear_ops.rowwise_int8 (a rotated export)
         self.hessians: dict[str, np.ndarray] = {}  # rowwise weights' inputs' XᵀX, for GPTQ
         self.two_rows = False  # passes have two rows at least (exact_rows)
+        self.own_kernel = False  # block-of-32 codes on edgespec's kernel (blockq_ops)
         self._six: list[tuple[str, np.ndarray]] = []
 
     def const(self, name: str, array: np.ndarray) -> str:
@@ -147,7 +149,7 @@ class GraphBuilder:
             return linear_ops.rowwise_int8(self, x, weight, name, store)
         if isinstance(weight, QuantizedWeight):
             if not self.nested:
-                return self._nbits(x, weight, name, store)
+                return self.quantized(x, weight, name, store)
             weight = dequantize(weight)
         if self.nested:
             nw = nest(weight, self.block_size)
@@ -164,7 +166,16 @@ class GraphBuilder:
             return self.node("MatMul", [x, w], [f"{name}.out"], name)[0]
         # 8-bit codes stay symmetric: ONNX Runtime's CPU kernel takes no 8-bit zero points
         q = quantize_blockwise(weight, bits, self.block_size, self.symmetric or bits == 8)
-        return self._nbits(x, q, name)
+        return self.quantized(x, q, name)
+
+    def on_own_kernel(self, q: QuantizedWeight) -> bool:
+        return self.own_kernel and blockq_ops.fits(q)
+
+    def quantized(self, x: str, q: QuantizedWeight, name: str, store: str | None = None) -> str:
+        """A quantized linear on the own kernel where it takes the codes, else MatMulNBits."""
+        if self.on_own_kernel(q):
+            return blockq_ops.linear(self, x, q, name, store or name)
+        return self._nbits(x, q, name, store)
 
     def _nested(self, x: str, nw: NestedWeight, name: str, view: str) -> str:
         """The base alone ("draft"), base + residual ("target"), or the residual gated by
@@ -396,6 +407,8 @@ class GraphBuilder:
         """Embedding rows straight from a quantized table (the tied LM head's own codes,
         stored once): S rows gathered, unpacked and dequantized, ((u - z) · s + m) as
         `dequantize` computes it."""
+        if self.on_own_kernel(q):
+            return blockq_ops.gather_rows(self, q, ids, store)
         q = self.layout(q)  # the layout the tied head's MatMulNBits reads
         nb, block = q.packed.shape[1], q.block_size
         codes = self.node("Gather", [self.codes(store, q), ids],
@@ -605,7 +618,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                   fusion: Weight | None = None,
                   rotation: Rotated | None = None,
                   hessians: dict[str, np.ndarray] | None = None,
-                  last_logits: bool = False) -> onnx.ModelProto:
+                  last_logits: bool = False, own_kernel: bool | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
     Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
@@ -631,6 +644,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     whole prompt is a fifth of a SmolLM2 prefill, most of a Gemma 3 one); two, not one,
     so its rows go through the same multi-row kernels as in any other pass (exact_rows)
     and stay bitwise what a full pass gives.
+    `own_kernel` runs block-of-32 4/8-bit codes on edgespec's CPU kernel (blockq_ops);
+    None: on the cpu profile where this installation has the library (kernels.for_export).
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
@@ -638,6 +653,9 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     g.rowwise = rotation is not None and precision == "int8"
     g.hessians = hessians or {}
     g.two_rows = attention == "gqa" and g.dtype == np.float32  # the cpu profile
+    if own_kernel is None:
+        own_kernel = g.two_rows and kernels.for_export()
+    g.own_kernel = own_kernel and not nested
     tied = embeddings is lm_head
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew
         embeddings, lm_head = as_float(embeddings), as_float(lm_head)
@@ -823,7 +841,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     # a head whose one-row kernel is exact reads the real rows alone (a row less to score);
     # an imported 4-bit head in blocks of 32 scores the copy too, cut from its logits
     cut_late = (g.two_rows and isinstance(lm_head, QuantizedWeight) and not g.rowwise
-                and not one_row_exact(lm_head))
+                and not one_row_exact(lm_head) and not g.on_own_kernel(lm_head))
     if g.two_rows and not cut_late:
         h = exact_rows.real_rows(g, h, "final.norm")
     if rotation is not None:  # the rotated, weightless norm's output -> the head's input
@@ -860,6 +878,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     g.finish_six()
     graph = helper.make_graph(g.nodes, f"edgespec-{spec.architecture}", inputs, outputs,
                               initializer=g.inits)
+    domains = [MS] + ([blockq_ops.DOMAIN] if any(
+        n.domain == blockq_ops.DOMAIN for n in g.nodes) else [])
     return helper.make_model(graph, producer_name="edgespec", ir_version=10,
-                             opset_imports=[helper.make_opsetid("", OPSET),
-                                            helper.make_opsetid(MS, 1)])
+                             opset_imports=[helper.make_opsetid("", OPSET)] + [
+                                 helper.make_opsetid(d, 1) for d in domains])

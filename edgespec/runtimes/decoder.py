@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from edgespec import kernels
 from edgespec.bundle import ModelEntry
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.providers import check_session
@@ -171,10 +172,16 @@ def open_session(path: Path, providers: list[str], threads: int = 0,
                                       str(path.parent.resolve()))
     if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    kernels.register(opts)
     try:
         return ort.InferenceSession(model if model is not None else str(path), opts,
                                     providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
+        if "BlockQMatMul" in str(e) and not kernels.available():
+            raise EdgespecError(
+                f"{path} runs on edgespec's own CPU kernels, which this installation lacks "
+                "(it was installed without a C compiler); reinstall edgespec where gcc or "
+                "MSVC is available, or re-export the bundle here.") from None
         raise EdgespecError(f"ONNX Runtime cannot load {path} ({str(e).splitlines()[0]}); "
                             "re-export the bundle.") from None
 

@@ -1,0 +1,146 @@
+"""Quantized linears on edgespec's own CPU kernel (edgespec/kernels, op edgespec.BlockQMatMul).
+
+ONNX Runtime's `MatMulNBits` re-reads a weight for every row of a pass (five rows cost
+~2x one), sends one-row passes to a kernel that sums in another order, and has no place
+for a per-block minimum (Q4_1, Q4_K: four more nodes per linear, 12-24% of a step). The
+own kernel reads each weight block once for all rows, quantizes activations per row and
+block of 32 to int8 as llama.cpp does for these types, applies scale and offset inside,
+and gives every row bitwise the same result whatever the number of rows (blockq.h).
+
+It takes any block-of-32 encoding with 4- or 8-bit codes (GGUF Q4_0, Q4_1, Q4_K, Q5_*,
+Q8_0; edgespec's own int4/int8) as codes u, scale s and offset o per block:
+w = s·u + o, o = m - z·s for the encoding's zero point z and minimum m. Codes are stored
+in the kernel's tiled layout; scales and offsets are computed and laid out at session
+load from the source's own storage (ONNX Runtime folds the constant nodes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from onnx import TensorProto
+
+from edgespec.kernels import DOMAIN
+from edgespec.quant.blockwise import QuantizedWeight, unpack_rows
+
+if TYPE_CHECKING:  # graph.py imports this module
+    from edgespec.export.graph import GraphBuilder
+
+LANES, BLOCK = 16, 32
+
+
+def fits(q: QuantizedWeight) -> bool:
+    """Whether the kernel takes these codes: blocks of 32, 4- or 8-bit codes, whole
+    tiles of 16 output columns."""
+    return (q.block_size == BLOCK and q.bits in (4, 8) and q.k % BLOCK == 0
+            and q.n % LANES == 0)
+
+
+def tiled_codes(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes [N, K] (one byte each) -> the kernel's layout (blockq.h), flat uint8."""
+    n, k = codes.shape
+    tiles = codes.reshape(n // LANES, LANES, k // BLOCK, 8, 4).transpose(0, 2, 3, 1, 4)
+    if bits == 4:  # lanes 0-7 in the low nibbles, 8-15 in the high ones
+        tiles = tiles[:, :, :, :8] | (tiles[:, :, :, 8:] << 4)
+    return np.ascontiguousarray(tiles, dtype=np.uint8).reshape(-1)
+
+
+def _tiled(g: GraphBuilder, per_block: str, q: QuantizedWeight, name: str) -> str:
+    """Per-block floats [N * nb] (row-major) -> the kernel's layout [N/16 * nb * 16]."""
+    nb = q.k // BLOCK
+    grid = g.node("Reshape", [per_block, g.const(f"tiles.{q.n}x{nb}", np.array(
+        [q.n // LANES, LANES, nb], np.int64))], [f"{name}.grid"], f"{name}.grid")[0]
+    turned = g.node("Transpose", [grid], [f"{name}.turned"], f"{name}.turned",
+                    perm=[0, 2, 1])[0]
+    return g.node("Reshape", [turned, g.const("i64.flat", np.array([-1], np.int64))],
+                  [f"{name}.tiled"], f"{name}.tiled")[0]
+
+
+def _zero(g: GraphBuilder, q: QuantizedWeight, store: str) -> str:
+    """The zero points as float32: one scalar where every block has the same."""
+    z = q.zero_points.reshape(-1)
+    if np.all(z == z[0]):
+        return g.const(f"zero.{z[0]}.f", np.array(z[0], np.float32))
+    return g.const(f"{store}.zero.f", z.astype(np.float32))
+
+
+def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, str]:
+    """The kernel's codes, scales and offsets for `q`, made once per `store`."""
+    def codes() -> str:
+        u = unpack_rows(q.packed, q.bits).reshape(q.n, -1)[:, :q.k]
+        return g.const(f"{store}.tiles", tiled_codes(u, q.bits))
+
+    def offsets() -> str:
+        scales = g.rebuilt32(store, "scales", q) if "scales" in (q.stored or {}) else \
+            g.const(f"{store}.scales.f32", q.scales.astype(np.float32))
+        shift = g.node("Mul", [scales, _zero(g, q, store)], [f"{store}.zs"], f"{store}.zs")[0]
+        if q.mins is None:
+            off = g.node("Neg", [shift], [f"{store}.off"], f"{store}.off")[0]
+        else:
+            mins = g.rebuilt32(store, "mins", q) if "mins" in (q.stored or {}) else \
+                g.const(f"{store}.mins.f32", q.mins.astype(np.float32))
+            off = g.node("Sub", [mins, shift], [f"{store}.off"], f"{store}.off")[0]
+        return _tiled(g, off, q, f"{store}.offsets")
+
+    def scales() -> str:
+        flat = g.rebuilt32(store, "scales", q) if "scales" in (q.stored or {}) else \
+            g.const(f"{store}.scales.f32", q.scales.astype(np.float32))
+        return _tiled(g, flat, q, f"{store}.scales")
+
+    return (g.once(f"{store}.tiles", codes), g.once(f"{store}.tiled_scales", scales),
+            g.once(f"{store}.tiled_offsets", offsets))
+
+
+def linear(g: GraphBuilder, x: str, q: QuantizedWeight, name: str, store: str) -> str:
+    """y = x @ wᵀ on the own kernel."""
+    codes, scales, offsets = _tables(g, q, store)
+    return g.node("BlockQMatMul", [x, codes, scales, offsets], [f"{name}.out"], name,
+                  domain=DOMAIN, K=q.k, N=q.n, bits=q.bits)[0]
+
+
+def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> str:
+    """Embedding rows [1, S, K] read from a tied head's tiled codes (stored once): row n
+    is lane n % 16 of tile n // 16, s·u + o per block."""
+    codes, scales, offsets = _tables(g, q, store)
+    nb, i64 = q.k // BLOCK, np.int64
+    per_byte = 8 // q.bits
+    lanes = LANES // per_byte  # byte lanes of a group: 16 (8-bit), 8 (4-bit)
+
+    def const(key: str, value: int) -> str:
+        return g.const(f"gq.{key}.{value}", np.array(value, i64))
+
+    def op(kind: str, inputs: list[str], out: str, **attrs) -> str:
+        return g.node(kind, inputs, [f"{store}.g.{out}"], f"{store}.g.{out}", **attrs)[0]
+
+    tile = op("Div", [ids, const("lanes", LANES)], "tile")
+    lane = op("Mod", [ids, const("lanes", LANES)], "lane")
+    last = g.const("i64.last", np.array([-1], i64))
+    # codes: one group of 4 bytes per (block, group) of the row's tile
+    base = op("Add", [op("Mul", [tile, const("groups", nb * 8 * lanes)], "tbase"),
+                      op("Mod", [lane, const("blanes", lanes)], "blane")], "cbase")
+    index = op("Add", [op("Unsqueeze", [base, last], "cbu"), g.const(
+        f"gq.steps.{nb}.{lanes}", np.arange(nb * 8, dtype=i64) * lanes)], "cindex")
+    fours = op("Reshape", [codes, g.const("gq.fours", np.array([-1, 4], i64))], "fours")
+    got = op("Gather", [fours, index], "codes")  # [1, S, nb*8, 4]
+    if q.bits == 4:  # lanes 8-15 are the high nibbles
+        shift = op("Cast", [op("Mul", [op("Div", [lane, const("lo", 8)], "hi"),
+                                       const("four", 4)], "shift")], "shift8",
+                   to=TensorProto.UINT8)
+        shift = op("Reshape", [shift, g.const("gq.shift.shape", np.array([1, -1, 1, 1], i64))],
+                   "shift4")
+        got = op("BitwiseAnd", [op("BitShift", [got, shift], "shifted", direction="RIGHT"),
+                                g.const("mask.4", np.array(15, np.uint8))], "nibbles")
+    values = op("Cast", [op("Reshape", [got, g.const(f"blocks.{nb}x{BLOCK}", np.array(
+        [1, -1, nb, BLOCK], i64))], "grid")], "values", to=TensorProto.FLOAT)
+    # scales and offsets: lane n % 16 of block b of the row's tile
+    fbase = op("Add", [op("Mul", [tile, const("fstep", nb * LANES)], "fbase0"), lane], "fbase")
+    findex = op("Add", [op("Unsqueeze", [fbase, last], "fbu"), g.const(
+        f"gq.fsteps.{nb}", np.arange(nb, dtype=i64) * LANES)], "findex")
+
+    def per_block(table: str, kind: str) -> str:
+        return op("Unsqueeze", [op("Gather", [table, findex], kind), last], f"{kind}.u")
+
+    w = op("Add", [op("Mul", [values, per_block(scales, "s")], "scaled"),
+                   per_block(offsets, "o")], "w")
+    return op("Reshape", [w, g.const(f"gq.rows.{q.k}", np.array([1, -1, q.k], i64))], "out")

@@ -1,0 +1,346 @@
+/* ort_op.c: ONNX Runtime custom-op library with one op, edgespec.BlockQMatMul (CPU).
+ *
+ * Load with onnxruntime.SessionOptions().register_custom_ops_library(path); the runtime then
+ * calls RegisterCustomOps below. Only the C ABI slice declared in ort_abi.h is used.
+ *
+ * BlockQMatMul(X, codes, scales, offsets) -> Y, attributes K, N, bits (int64):
+ *   X float [..., K]; codes uint8 1-D (N*K/2 for bits 4, N*K for bits 8, layout in blockq.h);
+ *   scales, offsets float 1-D (N*K/32); Y float [..., N] with X's leading dimensions.
+ * X is quantized once per call (blockq_quantize_rows), then the N/16 column tiles are split
+ * into contiguous ranges run on ONNX Runtime's intra-op thread pool (blockq_columns).
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blockq.h"
+#include "ort_abi.h"
+
+#ifdef _WIN32
+#include <windows.h>
+#define EDGESPEC_EXPORT __declspec(dllexport)
+#else
+#include <unistd.h>
+#define EDGESPEC_EXPORT __attribute__((visibility("default")))
+#endif
+
+#define OP_NAME "BlockQMatMul"
+#define OP_DOMAIN "edgespec"
+
+/* Column tiles are handed out in at most TASKS_PER_CPU ranges per online CPU (the pool takes
+ * them dynamically, so a few per thread even out uneven threads), and no range is given
+ * less than about MIN_TASK_MACS multiply-adds so that small products stay on one thread. */
+#define TASKS_PER_CPU 4
+#define MIN_TASK_MACS ((int64_t)1 << 18)
+
+typedef struct {
+  const OrtApi *api; /* the table the runtime handed to create_kernel */
+  int64_t K, N, bits;
+  int64_t cpus;
+} BlockQKernel;
+
+static OrtStatus *op_error(const OrtApi *api, OrtErrorCode code, const char *fmt, ...) {
+  char msg[512];
+  int used = snprintf(msg, sizeof msg, OP_NAME ": ");
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg + used, sizeof msg - (size_t)used, fmt, ap);
+  va_end(ap);
+  return api->CreateStatus(code, msg);
+}
+
+static int64_t online_cpus(void) {
+#ifdef _WIN32
+  SYSTEM_INFO info;
+  GetSystemInfo(&info);
+  int64_t n = (int64_t)info.dwNumberOfProcessors;
+#else
+  int64_t n = (int64_t)sysconf(_SC_NPROCESSORS_ONLN);
+#endif
+  return n > 0 ? n : 1;
+}
+
+/* ---- kernel creation: read and check the attributes ---- */
+
+static OrtStatus *read_attr(const OrtApi *api, const OrtKernelInfo *info, const char *name,
+                            int64_t *out) {
+  OrtStatus *st = api->KernelInfoGetAttribute_int64(info, name, out);
+  if (st == NULL) return NULL;
+  OrtStatus *err = op_error(api, ORT_INVALID_ARGUMENT, "needs an int64 attribute '%s' (%s)",
+                            name, api->GetErrorMessage(st));
+  api->ReleaseStatus(st);
+  return err;
+}
+
+static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api,
+                                             const OrtKernelInfo *info, void **kernel) {
+  (void)op;
+  *kernel = NULL;
+  int64_t K, N, bits;
+  OrtStatus *st;
+  if ((st = read_attr(api, info, "K", &K)) != NULL) return st;
+  if ((st = read_attr(api, info, "N", &N)) != NULL) return st;
+  if ((st = read_attr(api, info, "bits", &bits)) != NULL) return st;
+  if (K <= 0 || K % 32 != 0)
+    return op_error(api, ORT_INVALID_ARGUMENT, "K must be a positive multiple of 32, got %lld",
+                    (long long)K);
+  if (N <= 0 || N % 16 != 0)
+    return op_error(api, ORT_INVALID_ARGUMENT, "N must be a positive multiple of 16, got %lld",
+                    (long long)N);
+  if (bits != 4 && bits != 8)
+    return op_error(api, ORT_INVALID_ARGUMENT, "bits must be 4 or 8, got %lld",
+                    (long long)bits);
+  if (N > INT64_MAX / K)
+    return op_error(api, ORT_INVALID_ARGUMENT, "K*N is too large (K=%lld, N=%lld)",
+                    (long long)K, (long long)N);
+  BlockQKernel *k = (BlockQKernel *)malloc(sizeof *k);
+  if (k == NULL) return op_error(api, ORT_FAIL, "out of memory");
+  k->api = api;
+  k->K = K;
+  k->N = N;
+  k->bits = bits;
+  k->cpus = online_cpus();
+  *kernel = k;
+  return NULL;
+}
+
+static void ORT_API_CALL destroy_kernel(void *kernel) { free(kernel); }
+
+/* ---- compute ---- */
+
+/* The dimensions of v, malloc'd into *dims (the caller frees it; NULL when rank is 0). */
+static OrtStatus *get_shape(const OrtApi *api, const OrtValue *v, int64_t **dims,
+                            size_t *rank) {
+  OrtTensorTypeAndShapeInfo *info = NULL;
+  *dims = NULL;
+  *rank = 0;
+  OrtStatus *st = api->GetTensorTypeAndShape(v, &info);
+  if (st != NULL) return st;
+  st = api->GetDimensionsCount(info, rank);
+  if (st == NULL && *rank > 0) {
+    *dims = (int64_t *)malloc(*rank * sizeof(int64_t));
+    if (*dims == NULL)
+      st = op_error(api, ORT_FAIL, "out of memory");
+    else
+      st = api->GetDimensions(info, *dims, *rank);
+  }
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  if (st != NULL) {
+    free(*dims);
+    *dims = NULL;
+  }
+  return st;
+}
+
+/* Checks that v is 1-D with `expected` elements. */
+static OrtStatus *check_vector(const OrtApi *api, const OrtValue *v, const char *what,
+                               int64_t expected, const char *rule) {
+  int64_t *dims;
+  size_t rank;
+  OrtStatus *st = get_shape(api, v, &dims, &rank);
+  if (st != NULL) return st;
+  if (rank != 1)
+    st = op_error(api, ORT_INVALID_ARGUMENT, "%s must be 1-D, got rank %zu", what, rank);
+  else if (dims[0] != expected)
+    st = op_error(api, ORT_INVALID_ARGUMENT, "%s has %lld elements, expected %s = %lld", what,
+                  (long long)dims[0], rule, (long long)expected);
+  free(dims);
+  return st;
+}
+
+typedef struct {
+  const int8_t *qx;
+  const float *dx, *qsum;
+  int64_t M, K, N;
+  const uint8_t *codes;
+  const float *scales, *offsets;
+  int64_t bits;
+  float *y;
+  int64_t tiles, tasks;
+} ColumnsJob;
+
+/* Task i of job->tasks: the i-th of the contiguous, near-equal ranges of column tiles. */
+static void columns_task(void *user_data, size_t i) {
+  const ColumnsJob *j = (const ColumnsJob *)user_data;
+  int64_t begin = j->tiles * (int64_t)i / j->tasks;
+  int64_t end = j->tiles * ((int64_t)i + 1) / j->tasks;
+  if (begin < end)
+    blockq_columns(j->qx, j->dx, j->qsum, j->M, j->K, j->N, j->codes, j->scales, j->offsets,
+                   j->bits, j->y, begin, end);
+}
+
+static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
+  const BlockQKernel *k = (const BlockQKernel *)kernel;
+  const OrtApi *api = k->api;
+  const int64_t K = k->K, N = k->N, bits = k->bits, nb = K / 32;
+  OrtStatus *st;
+
+  size_t n_inputs = 0;
+  if ((st = api->KernelContext_GetInputCount(ctx, &n_inputs)) != NULL) return st;
+  if (n_inputs != 4)
+    return op_error(api, ORT_INVALID_ARGUMENT, "takes 4 inputs (X, codes, scales, offsets), got %zu",
+                    n_inputs);
+  const OrtValue *in[4];
+  for (size_t i = 0; i < 4; i++) {
+    in[i] = NULL;
+    if ((st = api->KernelContext_GetInput(ctx, i, &in[i])) != NULL) return st;
+    if (in[i] == NULL) return op_error(api, ORT_INVALID_ARGUMENT, "input %zu is missing", i);
+  }
+
+  if ((st = check_vector(api, in[1], "codes", bits == 4 ? N * K / 2 : N * K,
+                         bits == 4 ? "N*K/2 for bits 4" : "N*K for bits 8")) != NULL)
+    return st;
+  if ((st = check_vector(api, in[2], "scales", N * nb, "N*K/32")) != NULL) return st;
+  if ((st = check_vector(api, in[3], "offsets", N * nb, "N*K/32")) != NULL) return st;
+
+  int64_t *dims;
+  size_t rank;
+  if ((st = get_shape(api, in[0], &dims, &rank)) != NULL) return st;
+  if (rank < 1) {
+    free(dims);
+    return op_error(api, ORT_INVALID_ARGUMENT, "X must have at least 1 dimension (..., K)");
+  }
+  if (dims[rank - 1] != K) {
+    st = op_error(api, ORT_INVALID_ARGUMENT, "X's last dimension is %lld but attribute K is %lld",
+                  (long long)dims[rank - 1], (long long)K);
+    free(dims);
+    return st;
+  }
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < rank; i++) M *= dims[i];
+  dims[rank - 1] = N; /* Y's shape */
+  OrtValue *out = NULL;
+  st = api->KernelContext_GetOutput(ctx, 0, dims, rank, &out);
+  free(dims);
+  if (st != NULL) return st;
+  if (M == 0) return NULL;
+
+  void *px, *pcodes, *pscales, *poffsets, *py;
+  if ((st = api->GetTensorMutableData((OrtValue *)in[0], &px)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[1], &pcodes)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[2], &pscales)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[3], &poffsets)) != NULL ||
+      (st = api->GetTensorMutableData(out, &py)) != NULL)
+    return st;
+
+  /* Per call scratch: kernels share nothing, so concurrent runs are safe. */
+  int8_t *qx = (int8_t *)malloc((size_t)(M * K));
+  float *dx = (float *)malloc((size_t)(M * nb) * sizeof(float));
+  float *qsum = (float *)malloc((size_t)(M * nb) * sizeof(float));
+  if (qx == NULL || dx == NULL || qsum == NULL) {
+    st = op_error(api, ORT_FAIL, "out of memory for %lld x %lld activations", (long long)M,
+                  (long long)K);
+    goto done;
+  }
+  blockq_quantize_rows((const float *)px, M, K, qx, dx, qsum);
+
+  ColumnsJob job = {qx, dx, qsum, M, K, N, (const uint8_t *)pcodes, (const float *)pscales,
+                    (const float *)poffsets, bits, (float *)py, N / 16, 1};
+  int64_t tile_macs = 16 * K * M;
+  int64_t min_tiles = (MIN_TASK_MACS + tile_macs - 1) / tile_macs;
+  int64_t tasks = (job.tiles + min_tiles - 1) / min_tiles;
+  if (tasks > TASKS_PER_CPU * k->cpus) tasks = TASKS_PER_CPU * k->cpus;
+  if (tasks < 1) tasks = 1;
+  job.tasks = tasks;
+  if (tasks == 1)
+    columns_task(&job, 0);
+  else
+    st = api->KernelContext_ParallelFor(ctx, columns_task, (size_t)tasks, (size_t)tasks, &job);
+
+done:
+  free(qx);
+  free(dx);
+  free(qsum);
+  return st;
+}
+
+/* ---- the op's schema ---- */
+
+static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
+  (void)op;
+  return OP_NAME;
+}
+static const char *ORT_API_CALL op_provider(const OrtCustomOp *op) {
+  (void)op;
+  return "CPUExecutionProvider";
+}
+static size_t ORT_API_CALL op_input_count(const OrtCustomOp *op) {
+  (void)op;
+  return 4;
+}
+static ONNXTensorElementDataType ORT_API_CALL op_input_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static size_t ORT_API_CALL op_output_count(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+static ONNXTensorElementDataType ORT_API_CALL op_output_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL op_required(const OrtCustomOp *op,
+                                                                     size_t i) {
+  (void)op;
+  (void)i;
+  return INPUT_OUTPUT_REQUIRED;
+}
+static OrtMemType ORT_API_CALL op_input_memory(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  (void)i;
+  return OrtMemTypeDefault;
+}
+static int ORT_API_CALL op_one(const OrtCustomOp *op) {
+  (void)op;
+  return 1;
+}
+
+static const OrtCustomOp g_op = {
+    .version = EDGESPEC_ORT_API_VERSION,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = op_input_type,
+    .GetInputTypeCount = op_input_count,
+    .GetOutputType = op_output_type,
+    .GetOutputTypeCount = op_output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = op_required,
+    .GetOutputCharacteristic = op_required,
+    .GetInputMemoryType = op_input_memory,
+    .GetVariadicInputMinArity = op_one,
+    .GetVariadicInputHomogeneity = op_one,
+    .GetVariadicOutputMinArity = op_one,
+    .GetVariadicOutputHomogeneity = op_one,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+    /* CreateKernel / KernelCompute (pre-16 entry points), shape inference, opset range and
+       the aliasing hints are left NULL: the runtime skips them for this version. */
+};
+
+/* ---- entry point ---- */
+
+EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
+                                                          const OrtApiBase *api_base) {
+  const OrtApi *api = api_base->GetApi(EDGESPEC_ORT_API_VERSION);
+  if (api == NULL) {
+    /* Too old a runtime for our table; CreateStatus is slot 0 of every version's table. */
+    const OrtApi *v1 = api_base->GetApi(1);
+    if (v1 == NULL) return NULL;
+    char msg[256];
+    snprintf(msg, sizeof msg,
+             "edgespec kernels need ONNX Runtime API version %d (onnxruntime >= 1.%d); this is "
+             "onnxruntime %s",
+             EDGESPEC_ORT_API_VERSION, EDGESPEC_ORT_API_VERSION, api_base->GetVersionString());
+    return v1->CreateStatus(ORT_FAIL, msg);
+  }
+  /* The domain must outlive every session using it; it is never released (one small object
+     per registration). */
+  OrtCustomOpDomain *domain = NULL;
+  OrtStatus *st = api->CreateCustomOpDomain(OP_DOMAIN, &domain);
+  if (st != NULL) return st;
+  if ((st = api->CustomOpDomain_Add(domain, &g_op)) != NULL) return st;
+  return api->AddCustomOpDomain(options, domain);
+}

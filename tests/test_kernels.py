@@ -1,0 +1,113 @@
+"""edgespec's own CPU kernel (edgespec/kernels: edgespec.BlockQMatMul through ONNX Runtime).
+
+Oracles: numpy's float64 product of the dequantized weights and the int8-quantized
+activations (quantized by numpy the way the kernel documents it), the kernel's portable C
+path (bitwise equal to the AVX-512 VNNI one), and the kernel's own one-row results, which
+every row of a longer pass must equal bitwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from edgespec import kernels
+from edgespec.export.blockq_ops import tiled_codes
+
+
+def weights(n: int, k: int, bits: int, seed: int = 0):
+    """Random codes [N, K], per-block scales and offsets [N, K/32], and w = s·u + o."""
+    rng = np.random.default_rng(seed)
+    u = rng.integers(0, 2 ** bits, (n, k), dtype=np.uint8)
+    s = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float32)
+    o = (-s * 2 ** (bits - 1) * rng.random((n, k // 32))).astype(np.float32)
+    w = u.reshape(n, -1, 32) * s[..., None].astype(np.float64) + o[..., None]
+    return u, s, o, w.reshape(n, k)
+
+
+def tiled(v: np.ndarray) -> np.ndarray:
+    n, nb = v.shape
+    return np.ascontiguousarray(v.reshape(n // 16, 16, nb).transpose(0, 2, 1)).reshape(-1)
+
+
+def session(u, s, o, bits, threads: int = 2) -> ort.InferenceSession:
+    n, k = u.shape
+    consts = [helper.make_tensor("codes", TensorProto.UINT8, [tiled_codes(u, bits).size],
+                                 tiled_codes(u, bits).tobytes(), raw=True),
+              helper.make_tensor("scales", TensorProto.FLOAT, [s.size], tiled(s).tobytes(),
+                                 raw=True),
+              helper.make_tensor("offsets", TensorProto.FLOAT, [o.size], tiled(o).tobytes(),
+                                 raw=True)]
+    node = helper.make_node("BlockQMatMul", ["x", "codes", "scales", "offsets"], ["y"],
+                            domain=kernels.DOMAIN, K=k, N=n, bits=bits)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, "S", "K"])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [1, "S", n])], initializer=consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(kernels.DOMAIN, 1)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    kernels.register(opts)
+    return ort.InferenceSession(model.SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
+
+
+def quantized(x: np.ndarray) -> np.ndarray:
+    """x [M, K] as the kernel sees it: int8 per row and block of 32, scale max|x|/127."""
+    blocks = x.reshape(len(x), -1, 32)
+    d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(np.rint(blocks * inv), -127, 127)
+    return (q * d.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_product_is_the_dequantized_one(bits, threads):
+    u, s, o, w = weights(208, 576, bits)
+    x = np.random.default_rng(1).standard_normal((1, 17, 576)).astype(np.float32)
+    y = session(u, s, o, bits, threads).run(None, {"x": x})[0]
+    exact = quantized(x[0]) @ w.T
+    assert y.shape == (1, 17, 208)
+    assert np.abs(y[0] - exact).max() < 2e-6 * np.abs(exact).max()
+    # and the activations' int8 error is what it should be against the float product
+    assert np.abs(y[0] - x[0] @ w.T).max() < 0.02 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_row_is_bitwise_its_one_row_pass(bits):
+    u, s, o, _ = weights(96, 1536, bits, seed=2)
+    x = np.random.default_rng(3).standard_normal((1, 17, 1536)).astype(np.float32)
+    for threads in (1, 2):
+        run = session(u, s, o, bits, threads)
+        alone = np.concatenate([run.run(None, {"x": x[:, i:i + 1]})[0] for i in range(17)], 1)
+        for rows in (2, 5, 7, 13, 17):
+            assert np.array_equal(run.run(None, {"x": x[:, :rows]})[0], alone[:, :rows])
+        if threads == 1:
+            one_thread = alone
+    assert np.array_equal(alone, one_thread)  # nor does the split among threads matter
+
+
+def test_portable_and_simd_kernels_agree_bitwise():
+    """The portable C kernel (any CPU) gives the AVX-512 VNNI one's results bit for bit."""
+    lib = ctypes.CDLL(str(kernels.library()))  # the library ONNX Runtime loaded
+    u, s, o, _ = weights(64, 512, 4, seed=4)
+    x = np.random.default_rng(5).standard_normal((1, 9, 512)).astype(np.float32)
+    run = session(u, s, o, 4)
+    fast = run.run(None, {"x": x})[0]
+    lib.blockq_set_portable(1)
+    try:
+        portable = run.run(None, {"x": x})[0]
+    finally:
+        lib.blockq_set_portable(0)
+    assert np.array_equal(fast, portable)
+
+
+def test_bad_shapes_are_refused_with_the_reason():
+    u, s, o, _ = weights(32, 64, 8)
+    with pytest.raises(Exception, match="BlockQMatMul"):
+        session(u, s, o, 8).run(None, {"x": np.zeros((1, 2, 32), np.float32)})
