@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from edgespec import __version__
+from edgespec import __version__, kernels
 from edgespec.engine import demo_bundle
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.providers import PROVIDER, nvidia_smi
@@ -65,6 +65,7 @@ def report(console: Console) -> None:
     table.add_row("python", platform.python_version())
     table.add_row("onnxruntime", f"{ort.__version__} ({ort.get_device()})")
     table.add_row("onnx", onnx.__version__)
+    table.add_row("edgespec CPU kernels", escape(kernels.describe()))
     for device, state in probe_providers().items():
         style = "green" if state == "works" else "yellow"
         table.add_row(f"provider {device}", f"[{style}]{escape(state)}[/{style}]")

@@ -82,14 +82,17 @@ def source_hash(path: Path) -> str:
 def cache_key(content: str, options: dict[str, Any]) -> str:
     """What a cached export depends on: the source's content hash, the options, this
     edgespec and the heads it ships (a head shipped or retrained later changes what a
-    default export holds; a retrained one has the same size, so its content counts)."""
-    from edgespec import __version__
+    default export holds; a retrained one has the same size, so its content counts), and
+    whether its graphs run on edgespec's own kernels here (their layout's version)."""
+    from edgespec import __version__, kernels
     from edgespec.export.draft_head import SHIPPED
 
     heads = sorted(f"{p.name}:{source_hash(p)}" for p in SHIPPED.glob("*.npz"))
     return hashlib.sha256(json.dumps({"source": content, "options": options,
                                       "edgespec": __version__, "format": FORMAT_VERSION,
-                                      "exporter": EXPORTER, "heads": heads},
+                                      "exporter": EXPORTER, "heads": heads,
+                                      "kernels": kernels.LAYOUT if kernels.for_export()
+                                      else None},
                                      sort_keys=True).encode()).hexdigest()[:20]
 
 

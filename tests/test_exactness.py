@@ -52,17 +52,34 @@ def test_nested_demo_target_chains_are_bitwise(tmp_path, demo_target):
 
 @pytest.mark.parametrize("kwargs", [dict(precision="int4"), dict(draft="nested")],
                          ids=["int4", "nested"])
-def test_4bit_blocks_of_32_are_exact_as_exported(tmp_path, demo_target, kwargs):
+def test_4bit_blocks_of_32_are_exact_as_exported(tmp_path, demo_target, kwargs, monkeypatch):
     """At the default block size (32) too, and with MatMulNBits reading the codes in
     blocks of 32, whose one-row kernel differs from its multi-row one: no pass has one
-    row (export.exact_rows)."""
+    row (export.exact_rows). Bundles for any ONNX Runtime install (EDGESPEC_KERNELS)."""
+    monkeypatch.setenv("EDGESPEC_KERNELS", "onnxruntime")
     export(demo_target, tmp_path / "b", **kwargs)
-    graph = onnx.load(str(tmp_path / "b" / "target.onnx"), load_external_data=False).graph
-    blocks = {next(a.i for a in n.attribute if a.name == "block_size") for n in graph.node
-              if n.op_type == "MatMulNBits" and any(a.name == "bits" and a.i == 4
-                                                     for a in n.attribute)}
-    assert blocks == {32}
+    assert {32} == {attr(n, "block_size") for n in nodes(tmp_path / "b", "MatMulNBits")
+                    if attr(n, "bits") == 4}
     assert_chains_exact(tmp_path / "b")
+
+
+def test_own_kernel_exports_are_exact(tmp_path, demo_target):
+    """int4 on edgespec's own kernel (the cpu profile's default where it is built): every
+    linear in blocks of 32 on it (the recipe's Q6_K-class ones, in blocks of 16, stay on
+    MatMulNBits), chains bitwise."""
+    export(demo_target, tmp_path / "b", precision="int4")
+    assert {4} <= {attr(n, "bits") for n in nodes(tmp_path / "b", "BlockQMatMul")}
+    assert {16} == {attr(n, "block_size") for n in nodes(tmp_path / "b", "MatMulNBits")}
+    assert_chains_exact(tmp_path / "b")
+
+
+def nodes(bundle, op: str) -> list[onnx.NodeProto]:
+    graph = onnx.load(str(bundle / "target.onnx"), load_external_data=False).graph
+    return [n for n in graph.node if n.op_type == op]
+
+
+def attr(node: onnx.NodeProto, name: str) -> int:
+    return next(a.i for a in node.attribute if a.name == name)
 
 
 def test_decoy_tree_hides_the_path_behind_siblings():

@@ -92,19 +92,24 @@ def test_every_row_is_bitwise_its_one_row_pass(bits):
     assert np.array_equal(alone, one_thread)  # nor does the split among threads matter
 
 
-def test_portable_and_simd_kernels_agree_bitwise():
-    """The portable C kernel (any CPU) gives the AVX-512 VNNI one's results bit for bit."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_every_kernel_path_gives_the_same_bits(bits):
+    """The portable C kernel (any CPU), the AVX2 one and the AVX-512 VNNI one give the same
+    results bit for bit, for whichever of them this CPU runs (the test host: all three)."""
     lib = ctypes.CDLL(str(kernels.library()))  # the library ONNX Runtime loaded
-    u, s, o, _ = weights(64, 512, 4, seed=4)
+    u, s, o, _ = weights(64, 512, bits, seed=4)
     x = np.random.default_rng(5).standard_normal((1, 9, 512)).astype(np.float32)
-    run = session(u, s, o, 4)
-    fast = run.run(None, {"x": x})[0]
-    lib.blockq_set_portable(1)
+    x[0, 3, :32] = 0  # a zero block
+    run = session(u, s, o, bits)
+    results = {}
     try:
-        portable = run.run(None, {"x": x})[0]
+        for path in range(kernels.path() + 1):
+            lib.blockq_limit_path(path)
+            results[path] = run.run(None, {"x": x})[0]
     finally:
-        lib.blockq_set_portable(0)
-    assert np.array_equal(fast, portable)
+        lib.blockq_limit_path(-1)
+    for got in results.values():
+        assert np.array_equal(got, results[0])
 
 
 def test_bad_shapes_are_refused_with_the_reason():

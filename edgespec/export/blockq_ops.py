@@ -10,8 +10,10 @@ and gives every row bitwise the same result whatever the number of rows (blockq.
 It takes any block-of-32 encoding with 4- or 8-bit codes (GGUF Q4_0, Q4_1, Q4_K, Q5_*,
 Q8_0; edgespec's own int4/int8) as codes u, scale s and offset o per block:
 w = s·u + o, o = m - z·s for the encoding's zero point z and minimum m. Codes are stored
-in the kernel's tiled layout; scales and offsets are computed and laid out at session
-load from the source's own storage (ONNX Runtime folds the constant nodes).
+in the kernel's tiled layout (5-bit values as GGUF keeps them: 4-bit low parts and 1-bit
+high parts); scales and offsets are computed and laid out at session load from the
+source's own storage (ONNX Runtime folds the constant nodes), so a bundle is no bigger
+than with ONNX Runtime's kernels.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 from onnx import TensorProto
 
 from edgespec.kernels import DOMAIN
-from edgespec.quant.blockwise import QuantizedWeight, unpack_rows
+from edgespec.quant.blockwise import QuantizedWeight, pack_rows, unpack_rows
 
 if TYPE_CHECKING:  # graph.py imports this module
     from edgespec.export.graph import GraphBuilder
@@ -41,8 +43,9 @@ def tiled_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes [N, K] (one byte each) -> the kernel's layout (blockq.h), flat uint8."""
     n, k = codes.shape
     tiles = codes.reshape(n // LANES, LANES, k // BLOCK, 8, 4).transpose(0, 2, 3, 1, 4)
-    if bits == 4:  # lanes 0-7 in the low nibbles, 8-15 in the high ones
-        tiles = tiles[:, :, :, :8] | (tiles[:, :, :, 8:] << 4)
+    if bits == 4:  # groups 2h in the low nibbles, 2h + 1 in the high ones
+        pairs = tiles.reshape(n // LANES, k // BLOCK, 4, 2, LANES, 4)
+        tiles = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)
     return np.ascontiguousarray(tiles, dtype=np.uint8).reshape(-1)
 
 
@@ -68,8 +71,21 @@ def _zero(g: GraphBuilder, q: QuantizedWeight, store: str) -> str:
 def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, str]:
     """The kernel's codes, scales and offsets for `q`, made once per `store`."""
     def codes() -> str:
-        u = unpack_rows(q.packed, q.bits).reshape(q.n, -1)[:, :q.k]
-        return g.const(f"{store}.tiles", tiled_codes(u, q.bits))
+        tiles = tiled_codes(unpack_rows(q.packed, q.bits).reshape(q.n, -1)[:, :q.k], q.bits)
+        if "codes" not in (q.stored or {}):
+            return g.const(f"{store}.tiles", tiles)
+        # 5-bit values in 8-bit codes: stored as GGUF sizes them (low nibbles, high bits),
+        # joined at session load
+        high_bits = 8 * q.stored["codes"][1].shape[-1] // q.block_size
+        shape = g.const(f"{store}.tiles.shape", np.array([tiles.size], np.int64))
+        low = g.unpacked(g.const(f"{store}.tiles.low", pack_rows(tiles[None] & 0x0F, 4)), 4,
+                         shape, f"{store}.tiles.low")
+        high = g.unpacked(g.const(f"{store}.tiles.high", pack_rows(tiles[None] >> 4,
+                                                                   high_bits)),
+                          high_bits, shape, f"{store}.tiles.high")
+        high = g.node("BitShift", [high, g.const("four.u8", np.array(4, np.uint8))],
+                      [f"{store}.tiles.hs"], f"{store}.tiles.hs", direction="LEFT")[0]
+        return g.node("BitwiseOr", [low, high], [f"{store}.tiles"], f"{store}.tiles")[0]
 
     def offsets() -> str:
         scales = g.rebuilt32(store, "scales", q) if "scales" in (q.stored or {}) else \
@@ -104,8 +120,7 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
     is lane n % 16 of tile n // 16, s·u + o per block."""
     codes, scales, offsets = _tables(g, q, store)
     nb, i64 = q.k // BLOCK, np.int64
-    per_byte = 8 // q.bits
-    lanes = LANES // per_byte  # byte lanes of a group: 16 (8-bit), 8 (4-bit)
+    units = 8 if q.bits == 8 else 4  # 16 x 4 bytes each: one group, or two in nibbles
 
     def const(key: str, value: int) -> str:
         return g.const(f"gq.{key}.{value}", np.array(value, i64))
@@ -116,21 +131,20 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
     tile = op("Div", [ids, const("lanes", LANES)], "tile")
     lane = op("Mod", [ids, const("lanes", LANES)], "lane")
     last = g.const("i64.last", np.array([-1], i64))
-    # codes: one group of 4 bytes per (block, group) of the row's tile
-    base = op("Add", [op("Mul", [tile, const("groups", nb * 8 * lanes)], "tbase"),
-                      op("Mod", [lane, const("blanes", lanes)], "blane")], "cbase")
+    # codes: the row's 4 bytes in every unit of its tile
+    base = op("Add", [op("Mul", [tile, const("units", nb * units * LANES)], "tbase"), lane],
+              "cbase")
     index = op("Add", [op("Unsqueeze", [base, last], "cbu"), g.const(
-        f"gq.steps.{nb}.{lanes}", np.arange(nb * 8, dtype=i64) * lanes)], "cindex")
+        f"gq.steps.{nb}.{units}", np.arange(nb * units, dtype=i64) * LANES)], "cindex")
     fours = op("Reshape", [codes, g.const("gq.fours", np.array([-1, 4], i64))], "fours")
-    got = op("Gather", [fours, index], "codes")  # [1, S, nb*8, 4]
-    if q.bits == 4:  # lanes 8-15 are the high nibbles
-        shift = op("Cast", [op("Mul", [op("Div", [lane, const("lo", 8)], "hi"),
-                                       const("four", 4)], "shift")], "shift8",
-                   to=TensorProto.UINT8)
-        shift = op("Reshape", [shift, g.const("gq.shift.shape", np.array([1, -1, 1, 1], i64))],
-                   "shift4")
-        got = op("BitwiseAnd", [op("BitShift", [got, shift], "shifted", direction="RIGHT"),
-                                g.const("mask.4", np.array(15, np.uint8))], "nibbles")
+    got = op("Gather", [fours, index], "codes")  # [1, S, nb * units, 4]
+    if q.bits == 4:  # group 2h in the low nibbles, 2h + 1 in the high ones
+        two = g.const("i64.minus2", np.array([-2], i64))
+        low = op("BitwiseAnd", [got, g.const("mask.4", np.array(15, np.uint8))], "low")
+        high = op("BitShift", [got, g.const("four.u8", np.array(4, np.uint8))], "high",
+                  direction="RIGHT")
+        got = op("Concat", [op("Unsqueeze", [low, two], "lowu"),
+                            op("Unsqueeze", [high, two], "highu")], "pairs", axis=-2)
     values = op("Cast", [op("Reshape", [got, g.const(f"blocks.{nb}x{BLOCK}", np.array(
         [1, -1, nb, BLOCK], i64))], "grid")], "values", to=TensorProto.FLOAT)
     # scales and offsets: lane n % 16 of block b of the row's tile

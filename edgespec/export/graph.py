@@ -645,7 +645,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     so its rows go through the same multi-row kernels as in any other pass (exact_rows)
     and stay bitwise what a full pass gives.
     `own_kernel` runs block-of-32 4/8-bit codes on edgespec's CPU kernel (blockq_ops);
-    None: on the cpu profile where this installation has the library (kernels.for_export).
+    None: on the cpu profile with int8 activations (accuracy_level 4) where this
+    installation has the library (kernels.for_export).
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
@@ -653,8 +654,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     g.rowwise = rotation is not None and precision == "int8"
     g.hessians = hessians or {}
     g.two_rows = attention == "gqa" and g.dtype == np.float32  # the cpu profile
-    if own_kernel is None:
-        own_kernel = g.two_rows and kernels.for_export()
+    if own_kernel is None:  # it quantizes activations to int8: accuracy_level 4's choice
+        own_kernel = g.two_rows and accuracy_level == 4 and kernels.for_export()
     g.own_kernel = own_kernel and not nested
     tied = embeddings is lm_head
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew

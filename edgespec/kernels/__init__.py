@@ -8,6 +8,7 @@ and a bundle that needs the library says so when it is opened.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 from pathlib import Path
@@ -16,6 +17,7 @@ import onnxruntime as ort
 
 HERE = Path(__file__).parent
 DOMAIN = "edgespec"  # the ops' ONNX domain
+LAYOUT = 1  # the weight layout of blockq.h: cached exports are made anew when it changes
 
 
 @functools.cache
@@ -36,10 +38,34 @@ def available() -> bool:
     return library() is not None
 
 
+PATHS = {2: "AVX-512 VNNI", 1: "AVX2", 0: "portable C"}  # blockq.c's column kernels
+
+
+def path() -> int | None:
+    """Which of the library's column kernels runs here (PATHS), None without the library."""
+    lib = library()
+    return None if lib is None else int(ctypes.CDLL(str(lib)).blockq_path())
+
+
+def vectorized() -> bool:
+    """Whether the library runs a SIMD kernel here (not its portable C one)."""
+    return bool(path())
+
+
 def for_export() -> bool:
-    """Whether cpu-profile exports put their linears on these kernels: where built, unless
+    """Whether cpu-profile exports put their linears on these kernels: where built and
+    vectorized (the portable path is exact but slower than ONNX Runtime's kernels), unless
     EDGESPEC_KERNELS=onnxruntime asks for bundles that run on any ONNX Runtime install."""
-    return available() and os.environ.get("EDGESPEC_KERNELS", "edgespec") != "onnxruntime"
+    return vectorized() and os.environ.get("EDGESPEC_KERNELS", "edgespec") != "onnxruntime"
+
+
+def describe() -> str:
+    """What `edgespec doctor` says about the kernels: which path runs them, or why none."""
+    if library() is None:
+        return "not built (installed without a C compiler): exports use ONNX Runtime's"
+    if vectorized():
+        return f"built, {PATHS[path()]}: cpu exports use them"
+    return "built, portable C only (no AVX2 here): cpu exports use ONNX Runtime's"
 
 
 def register(opts: ort.SessionOptions) -> None:

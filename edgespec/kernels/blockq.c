@@ -1,10 +1,10 @@
 /* Block-quantized matrix products, batch-invariant by construction (see blockq.h).
  *
- * Two column kernels with bitwise the same results: portable C, and AVX-512 VNNI where the
- * CPU has it (chosen at run time, so the library is built without global ISA flags). Both
- * compute, per output, acc = fma(offset, qsum, fma(float(I), scale * dx, acc)) block after
- * block, I the exact integer dot product of a block's codes and the row's int8 codes.
- * Build with -ffp-contract=off so the compiler fuses nothing the other kernel does not.
+ * Three column kernels with bitwise the same results: portable C, AVX2 and AVX-512 VNNI,
+ * the best the CPU has chosen at run time (the library is built without global ISA flags).
+ * All compute, per output, acc = fma(offset, sum, fma(float(I), scale * d, acc)) block
+ * after block, I the exact integer dot product of a block's codes and the row's int8 codes.
+ * Build with -ffp-contract=off so the compiler fuses nothing the other kernels do not.
  */
 #include "blockq.h"
 
@@ -14,13 +14,12 @@
 #define GROUPS 8 /* groups of 4 inputs in a block of 32 */
 #define LANES 16 /* columns in a tile */
 
-void blockq_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx,
-                          float *qsum) {
-    const int64_t nb = K / 32;
-    for (int64_t m = 0; m < M; ++m) {
+void blockq_quantize_rows(const float *x, BlockqRows *rows) {
+    const int64_t K = rows->K, nb = K / 32;
+    for (int64_t m = 0; m < rows->M; ++m) {
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
-            int8_t *q = qx + m * K + b * 32;
+            int8_t *q = rows->q + m * K + b * 32;
             float peak = 0.0f;
             for (int i = 0; i < 32; ++i) {
                 const float a = fabsf(v[i]);
@@ -28,15 +27,16 @@ void blockq_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qx, floa
             }
             const float d = peak / 127.0f;
             const float inv = d != 0.0f ? 1.0f / d : 0.0f;
-            int sum = 0;
+            int32_t sum = 0;
             for (int i = 0; i < 32; ++i) {
                 float r = nearbyintf(v[i] * inv);
                 r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
                 q[i] = (int8_t)r;
                 sum += q[i];
             }
-            dx[m * nb + b] = d;
-            qsum[m * nb + b] = d * (float)sum;
+            rows->d[m * nb + b] = d;
+            rows->sum[m * nb + b] = d * (float)sum;
+            rows->isum[m * nb + b] = sum;
         }
     }
 }
@@ -44,28 +44,27 @@ void blockq_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qx, floa
 /* The code of column lane c (0..15), input j (0..3) of group g of a tile's block. */
 static inline int code_at(const uint8_t *block, int64_t bits, int g, int c, int j) {
     if (bits == 8) return block[g * 64 + c * 4 + j];
-    const uint8_t byte = block[g * 32 + (c % 8) * 4 + j];
-    return c < 8 ? (byte & 0x0F) : (byte >> 4);
+    const uint8_t byte = block[(g / 2) * 64 + c * 4 + j];
+    return g % 2 ? (byte >> 4) : (byte & 0x0F);
 }
 
-static void columns_portable(const int8_t *qx, const float *dx, const float *qsum, int64_t M,
-                             int64_t K, int64_t N, const uint8_t *codes, const float *scales,
-                             const float *offsets, int64_t bits, float *y, int64_t t0,
-                             int64_t t1) {
-    const int64_t nb = K / 32, block_bytes = GROUPS * 4 * LANES * bits / 8;
+static void columns_portable(const BlockqRows *x, int64_t N, const uint8_t *codes,
+                             const float *scales, const float *offsets, int64_t bits, float *y,
+                             int64_t t0, int64_t t1) {
+    const int64_t K = x->K, nb = K / 32, block_bytes = GROUPS * 4 * LANES * bits / 8;
     for (int64_t t = t0; t < t1; ++t) {
         for (int c = 0; c < LANES; ++c) {
-            for (int64_t m = 0; m < M; ++m) {
+            for (int64_t m = 0; m < x->M; ++m) {
                 float acc = 0.0f;
                 for (int64_t b = 0; b < nb; ++b) {
                     const uint8_t *block = codes + (t * nb + b) * block_bytes;
-                    const int8_t *q = qx + m * K + b * 32;
+                    const int8_t *q = x->q + m * K + b * 32;
                     int32_t dot = 0;
                     for (int g = 0; g < GROUPS; ++g)
                         for (int j = 0; j < 4; ++j) dot += code_at(block, bits, g, c, j) * q[g * 4 + j];
-                    const int64_t at = (t * nb + b) * LANES + c;
-                    acc = fmaf((float)dot, scales[at] * dx[m * nb + b], acc);
-                    acc = fmaf(offsets[at], qsum[m * nb + b], acc);
+                    const int64_t at = (t * nb + b) * LANES + c, row = m * nb + b;
+                    acc = fmaf((float)dot, scales[at] * x->d[row], acc);
+                    acc = fmaf(offsets[at], x->sum[row], acc);
                 }
                 y[m * N + t * LANES + c] = acc;
             }
@@ -76,16 +75,24 @@ static void columns_portable(const int8_t *qx, const float *dx, const float *qsu
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define AVX2 __attribute__((target("avx2,fma")))
+#define INLINE static inline __attribute__((always_inline))
 #define MAX_ROWS 6
 
-/* Rows m0 .. m0+R-1 of T adjacent tiles (T*16 columns): each weight group is unpacked once
- * for all R rows and each activation group broadcast once for all T tiles. */
-VNNI static inline __attribute__((always_inline)) void
-tile_rows(const int8_t *qx, const float *dx, const float *qsum, int64_t K, int64_t N,
-          const uint8_t *codes, const float *scales, const float *offsets, int64_t bits,
-          float *y, int64_t t, int64_t m0, const int T, const int R) {
-    const int64_t nb = K / 32, block_bytes = GROUPS * 4 * LANES * bits / 8;
-    const __m256i low = _mm256_set1_epi8(0x0F);
+static int32_t four_codes(const BlockqRows *x, int64_t m, int64_t b, int g) {
+    int32_t four;
+    memcpy(&four, x->q + m * x->K + b * 32 + g * 4, 4);
+    return four;
+}
+
+/* AVX-512 VNNI: rows m0 .. m0+R-1 of T adjacent tiles (T*16 columns, one register each);
+ * each weight group is unpacked once for all R rows and each activation group broadcast
+ * once for all T tiles. */
+VNNI INLINE void tile_rows_vnni(const BlockqRows *x, int64_t N, const uint8_t *codes,
+                                const float *scales, const float *offsets, int64_t bits,
+                                float *y, int64_t t, int64_t m0, const int T, const int R) {
+    const int64_t nb = x->K / 32, block_bytes = GROUPS * 4 * LANES * bits / 8;
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[2][MAX_ROWS];
     for (int i = 0; i < T; ++i)
         for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -93,24 +100,25 @@ tile_rows(const int8_t *qx, const float *dx, const float *qsum, int64_t K, int64
         __m512i dot[2][MAX_ROWS];
         for (int i = 0; i < T; ++i)
             for (int r = 0; r < R; ++r) dot[i][r] = _mm512_setzero_si512();
-        for (int g = 0; g < GROUPS; ++g) {
-            __m512i w[2];
+        for (int h = 0; h < GROUPS / 2; ++h) { /* 64 bytes: groups 2h and 2h+1 */
+            __m512i w[2][2];
             for (int i = 0; i < T; ++i) {
                 const uint8_t *at = codes + ((t + i) * nb + b) * block_bytes;
                 if (bits == 4) {
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(at + g * 32));
-                    const __m256i lo = _mm256_and_si256(raw, low);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                    w[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                    const __m512i v = _mm512_loadu_si512((const void *)(at + h * 64));
+                    w[i][0] = _mm512_and_si512(v, low);
+                    w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 } else {
-                    w[i] = _mm512_loadu_si512((const void *)(at + g * 64));
+                    w[i][0] = _mm512_loadu_si512((const void *)(at + 2 * h * 64));
+                    w[i][1] = _mm512_loadu_si512((const void *)(at + (2 * h + 1) * 64));
                 }
             }
-            for (int r = 0; r < R; ++r) {
-                int32_t four;
-                memcpy(&four, qx + (m0 + r) * K + b * 32 + g * 4, 4);
-                const __m512i a = _mm512_set1_epi32(four);
-                for (int i = 0; i < T; ++i) dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w[i], a);
+            for (int p = 0; p < 2; ++p) {
+                for (int r = 0; r < R; ++r) {
+                    const __m512i a = _mm512_set1_epi32(four_codes(x, m0 + r, b, 2 * h + p));
+                    for (int i = 0; i < T; ++i)
+                        dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w[i][p], a);
+                }
             }
         }
         for (int i = 0; i < T; ++i) {
@@ -118,9 +126,9 @@ tile_rows(const int8_t *qx, const float *dx, const float *qsum, int64_t K, int64
             const __m512 s = _mm512_loadu_ps(scales + at), o = _mm512_loadu_ps(offsets + at);
             for (int r = 0; r < R; ++r) {
                 const int64_t row = (m0 + r) * nb + b;
-                const __m512 d = _mm512_mul_ps(s, _mm512_set1_ps(dx[row]));
+                const __m512 d = _mm512_mul_ps(s, _mm512_set1_ps(x->d[row]));
                 acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), d, acc[i][r]);
-                acc[i][r] = _mm512_fmadd_ps(o, _mm512_set1_ps(qsum[row]), acc[i][r]);
+                acc[i][r] = _mm512_fmadd_ps(o, _mm512_set1_ps(x->sum[row]), acc[i][r]);
             }
         }
     }
@@ -128,60 +136,131 @@ tile_rows(const int8_t *qx, const float *dx, const float *qsum, int64_t K, int64
         for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (m0 + r) * N + (t + i) * LANES, acc[i][r]);
 }
 
-#define ROWS_CASE(T, n) \
-    case n: tile_rows(qx, dx, qsum, K, N, codes, scales, offsets, bits, y, t, m0, T, n); break;
-#define ROWS_SWITCH(T, rows)                                                   \
+/* The exact int32 lane sums of w (unsigned codes) times a (int8) over 4 bytes, as VNNI's
+ * dot product gives them. Unsigned 4-bit codes: maddubs' 16-bit pair sums cannot saturate
+ * (2 * 15 * 127). 8-bit codes u: (u - 128) * a through sign tricks (pairs at most
+ * 2 * 128 * 127), and 128 * (the row's code sum) added back per block by the caller. */
+AVX2 INLINE __m256i dot4_avx2(__m256i w, __m256i a, int64_t bits) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (bits == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
+    const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+    return _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q)), ones);
+}
+
+/* AVX2: rows m0 .. m0+R-1 of one tile, as two halves of 8 columns. */
+AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, int64_t N, const uint8_t *codes,
+                                const float *scales, const float *offsets, int64_t bits,
+                                float *y, int64_t t, int64_t m0, const int R) {
+    const int64_t nb = x->K / 32, block_bytes = GROUPS * 4 * LANES * bits / 8;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc[2][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *block = codes + (t * nb + b) * block_bytes;
+        __m256i dot[2][2];
+        for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+        for (int h = 0; h < GROUPS / 2; ++h) {
+            for (int half = 0; half < 2; ++half) {
+                __m256i w[2];
+                if (bits == 4) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(block + h * 64 + half * 32));
+                    w[0] = _mm256_and_si256(v, low);
+                    w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                } else {
+                    w[0] = _mm256_loadu_si256((const __m256i *)(block + 2 * h * 64 + half * 32));
+                    w[1] = _mm256_loadu_si256((const __m256i *)(block + (2 * h + 1) * 64 + half * 32));
+                }
+                for (int p = 0; p < 2; ++p)
+                    for (int r = 0; r < R; ++r)
+                        dot[r][half] = _mm256_add_epi32(dot[r][half], dot4_avx2(
+                            w[p], _mm256_set1_epi32(four_codes(x, m0 + r, b, 2 * h + p)), bits));
+            }
+        }
+        for (int half = 0; half < 2; ++half) {
+            const int64_t at = (t * nb + b) * LANES + half * 8;
+            const __m256 s = _mm256_loadu_ps(scales + at), o = _mm256_loadu_ps(offsets + at);
+            for (int r = 0; r < R; ++r) {
+                const int64_t row = (m0 + r) * nb + b;
+                __m256i exact = dot[r][half];
+                if (bits == 8) exact = _mm256_add_epi32(exact, _mm256_set1_epi32(128 * x->isum[row]));
+                const __m256 d = _mm256_mul_ps(s, _mm256_set1_ps(x->d[row]));
+                acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), d, acc[r][half]);
+                acc[r][half] = _mm256_fmadd_ps(o, _mm256_set1_ps(x->sum[row]), acc[r][half]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int half = 0; half < 2; ++half)
+            _mm256_storeu_ps(y + (m0 + r) * N + t * LANES + half * 8, acc[r][half]);
+}
+
+#define VNNI_CASE(T, n) \
+    case n: tile_rows_vnni(x, N, codes, scales, offsets, bits, y, t, m0, T, n); break;
+#define VNNI_SWITCH(T, rows)                                                   \
     switch (rows) {                                                            \
-        ROWS_CASE(T, 1) ROWS_CASE(T, 2) ROWS_CASE(T, 3) ROWS_CASE(T, 4)        \
-        ROWS_CASE(T, 5) ROWS_CASE(T, 6)                                        \
+        VNNI_CASE(T, 1) VNNI_CASE(T, 2) VNNI_CASE(T, 3) VNNI_CASE(T, 4)        \
+        VNNI_CASE(T, 5) VNNI_CASE(T, 6)                                        \
     }
 
-VNNI static void columns_vnni(const int8_t *qx, const float *dx, const float *qsum, int64_t M,
-                              int64_t K, int64_t N, const uint8_t *codes, const float *scales,
-                              const float *offsets, int64_t bits, float *y, int64_t t0,
-                              int64_t t1) {
-    /* rows in near-equal chunks of at most MAX_ROWS (17 -> 6, 6, 5) */
-    const int64_t chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
+VNNI static void columns_vnni(const BlockqRows *x, int64_t N, const uint8_t *codes,
+                              const float *scales, const float *offsets, int64_t bits, float *y,
+                              int64_t t0, int64_t t1) {
+    /* rows in near-equal chunks of at most MAX_ROWS (17 -> 5, 6, 6) */
+    const int64_t M = x->M, chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
     for (int64_t t = t0; t < t1; t += 2) {
         for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
             const int64_t rows = (M - m0) / (chunks - c);
             if (t + 1 < t1) {
-                ROWS_SWITCH(2, rows)
+                VNNI_SWITCH(2, rows)
             } else {
-                ROWS_SWITCH(1, rows)
+                VNNI_SWITCH(1, rows)
             }
             m0 += rows;
         }
     }
 }
 
-static int has_vnni(void) {
+AVX2 static void columns_avx2(const BlockqRows *x, int64_t N, const uint8_t *codes,
+                              const float *scales, const float *offsets, int64_t bits, float *y,
+                              int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+        int64_t m0 = 0;
+        for (; m0 + 2 <= x->M; m0 += 2)
+            tile_rows_avx2(x, N, codes, scales, offsets, bits, y, t, m0, 2);
+        if (m0 < x->M) tile_rows_avx2(x, N, codes, scales, offsets, bits, y, t, m0, 1);
+    }
+}
+
+static int best_path(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        return 2;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
 }
 #else
-static int has_vnni(void) { return 0; }
+static int best_path(void) { return 0; }
 #endif
 
-static int portable_only = 0;
+static int path_limit = -1;
 
-int blockq_simd(void) {
-    static int vnni = -1;
-    if (vnni < 0) vnni = has_vnni();
-    return !portable_only && vnni;
+int blockq_path(void) {
+    static int best = -1;
+    if (best < 0) best = best_path();
+    return path_limit >= 0 && path_limit < best ? path_limit : best;
 }
 
-void blockq_set_portable(int portable) { portable_only = portable; }
+void blockq_limit_path(int path) { path_limit = path; }
 
-void blockq_columns(const int8_t *qx, const float *dx, const float *qsum, int64_t M, int64_t K,
-                    int64_t N, const uint8_t *codes, const float *scales, const float *offsets,
-                    int64_t bits, float *y, int64_t tile_begin, int64_t tile_end) {
+void blockq_columns(const BlockqRows *rows, int64_t N, const uint8_t *codes,
+                    const float *scales, const float *offsets, int64_t bits, float *y,
+                    int64_t tile_begin, int64_t tile_end) {
+    switch (blockq_path()) {
 #if defined(__GNUC__) && defined(__x86_64__)
-    if (blockq_simd()) {
-        columns_vnni(qx, dx, qsum, M, K, N, codes, scales, offsets, bits, y, tile_begin, tile_end);
-        return;
-    }
+    case 2: columns_vnni(rows, N, codes, scales, offsets, bits, y, tile_begin, tile_end); return;
+    case 1: columns_avx2(rows, N, codes, scales, offsets, bits, y, tile_begin, tile_end); return;
 #endif
-    columns_portable(qx, dx, qsum, M, K, N, codes, scales, offsets, bits, y, tile_begin, tile_end);
+    default: columns_portable(rows, N, codes, scales, offsets, bits, y, tile_begin, tile_end);
+    }
 }

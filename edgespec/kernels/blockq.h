@@ -11,8 +11,8 @@
  * Weight layout: columns in tiles of 16, inputs in blocks of 32, each block in 8 groups of
  * 4 inputs, so one group of a tile is 16 lanes of 4 codes (what VNNI's dot product takes):
  *   bits 8: 64 bytes at ((t*nb + b)*8 + g)*64, byte i = column t*16 + i/4, input b*32 + g*4 + i%4
- *   bits 4: 32 bytes at ((t*nb + b)*8 + g)*32, byte i's low nibble = column t*16 + i/4, its
- *           high nibble = column t*16 + 8 + i/4, both at input b*32 + g*4 + i%4
+ *   bits 4: 64 bytes at ((t*nb + b)*4 + h)*64, byte i = column t*16 + i/4 at input
+ *           b*32 + 2h*4 + i%4 (low nibble) and b*32 + (2h+1)*4 + i%4 (high nibble)
  *   scales, offsets: float at (t*nb + b)*16 + n%16.
  */
 #ifndef EDGESPEC_BLOCKQ_H
@@ -20,17 +20,27 @@
 
 #include <stdint.h>
 
-void blockq_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx,
-                          float *qsum);
+/* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes
+ * q (round to nearest even of x / d, d = max|x| / 127, 0 for a zero block), and per row and
+ * block d, sum = d * (sum of the codes) and isum = the sum of the codes. */
+typedef struct {
+    int8_t *q;
+    float *d, *sum;
+    int32_t *isum;
+    int64_t M, K;
+} BlockqRows;
 
-void blockq_columns(const int8_t *qx, const float *dx, const float *qsum, int64_t M, int64_t K,
-                    int64_t N, const uint8_t *codes, const float *scales, const float *offsets,
-                    int64_t bits, float *y, int64_t tile_begin, int64_t tile_end);
+void blockq_quantize_rows(const float *x, BlockqRows *rows);
 
-/* Which column kernel runs here: 1 AVX-512 VNNI, 0 portable C (the same results). */
-int blockq_simd(void);
+/* y[m, n] for n in [tile_begin*16, tile_end*16): columns in tiles of 16 (N % 16 == 0). */
+void blockq_columns(const BlockqRows *rows, int64_t N, const uint8_t *codes,
+                    const float *scales, const float *offsets, int64_t bits, float *y,
+                    int64_t tile_begin, int64_t tile_end);
 
-/* Force the portable kernel (tests compare the two). */
-void blockq_set_portable(int portable);
+/* The column kernel that runs here: 2 AVX-512 VNNI, 1 AVX2, 0 portable C (same results). */
+int blockq_path(void);
+
+/* Run no kernel above `path` (tests compare them; -1 lifts the limit). */
+void blockq_limit_path(int path);
 
 #endif

@@ -30,9 +30,14 @@
 
 /* Column tiles are handed out in at most TASKS_PER_CPU ranges per online CPU (the pool takes
  * them dynamically, so a few per thread even out uneven threads), and no range is given
- * less than about MIN_TASK_MACS multiply-adds so that small products stay on one thread. */
+ * less than about MIN_TASK_MACS multiply-adds so that small products stay on one thread.
+ * Measured on SmolLM2 (tools/bench_verify_cost.py, 2 threads): 2^18 made the draft head's
+ * step 1.5-2x slower (waking the pool's other thread for every small product), 2^22 the
+ * target's step 1.4x slower; 2^20 (~7 us of work) costs neither. */
 #define TASKS_PER_CPU 4
-#define MIN_TASK_MACS ((int64_t)1 << 18)
+#ifndef MIN_TASK_MACS
+#define MIN_TASK_MACS ((int64_t)1 << 20)
+#endif
 
 typedef struct {
   const OrtApi *api; /* the table the runtime handed to create_kernel */
@@ -150,9 +155,8 @@ static OrtStatus *check_vector(const OrtApi *api, const OrtValue *v, const char 
 }
 
 typedef struct {
-  const int8_t *qx;
-  const float *dx, *qsum;
-  int64_t M, K, N;
+  const BlockqRows *rows;
+  int64_t N;
   const uint8_t *codes;
   const float *scales, *offsets;
   int64_t bits;
@@ -166,8 +170,7 @@ static void columns_task(void *user_data, size_t i) {
   int64_t begin = j->tiles * (int64_t)i / j->tasks;
   int64_t end = j->tiles * ((int64_t)i + 1) / j->tasks;
   if (begin < end)
-    blockq_columns(j->qx, j->dx, j->qsum, j->M, j->K, j->N, j->codes, j->scales, j->offsets,
-                   j->bits, j->y, begin, end);
+    blockq_columns(j->rows, j->N, j->codes, j->scales, j->offsets, j->bits, j->y, begin, end);
 }
 
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
@@ -225,17 +228,18 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     return st;
 
   /* Per call scratch: kernels share nothing, so concurrent runs are safe. */
-  int8_t *qx = (int8_t *)malloc((size_t)(M * K));
-  float *dx = (float *)malloc((size_t)(M * nb) * sizeof(float));
-  float *qsum = (float *)malloc((size_t)(M * nb) * sizeof(float));
-  if (qx == NULL || dx == NULL || qsum == NULL) {
+  BlockqRows rows = {(int8_t *)malloc((size_t)(M * K)),
+                     (float *)malloc((size_t)(M * nb) * sizeof(float)),
+                     (float *)malloc((size_t)(M * nb) * sizeof(float)),
+                     (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t)), M, K};
+  if (rows.q == NULL || rows.d == NULL || rows.sum == NULL || rows.isum == NULL) {
     st = op_error(api, ORT_FAIL, "out of memory for %lld x %lld activations", (long long)M,
                   (long long)K);
     goto done;
   }
-  blockq_quantize_rows((const float *)px, M, K, qx, dx, qsum);
+  blockq_quantize_rows((const float *)px, &rows);
 
-  ColumnsJob job = {qx, dx, qsum, M, K, N, (const uint8_t *)pcodes, (const float *)pscales,
+  ColumnsJob job = {&rows, N, (const uint8_t *)pcodes, (const float *)pscales,
                     (const float *)poffsets, bits, (float *)py, N / 16, 1};
   int64_t tile_macs = 16 * K * M;
   int64_t min_tiles = (MIN_TASK_MACS + tile_macs - 1) / tile_macs;
@@ -249,9 +253,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     st = api->KernelContext_ParallelFor(ctx, columns_task, (size_t)tasks, (size_t)tasks, &job);
 
 done:
-  free(qx);
-  free(dx);
-  free(qsum);
+  free(rows.q);
+  free(rows.d);
+  free(rows.sum);
+  free(rows.isum);
   return st;
 }
 
