@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
 from pathlib import Path
 
 import onnxruntime as ort
@@ -20,17 +21,26 @@ DOMAIN = "edgespec"  # the ops' ONNX domain
 LAYOUT = 1  # the weight layout of blockq.h: cached exports are made anew when it changes
 
 
+def _candidates() -> list[Path]:
+    """Built libraries beside this file (an editable install), then in every edgespec
+    package on the path (a source checkout importing its own tree beside a regular
+    install of the same sources)."""
+    dirs = [HERE] + [Path(entry) / "edgespec" / "kernels" for entry in sys.path if entry]
+    return [p for d in dirs for p in sorted(d.glob("_blockq*"))
+            if p.suffix in (".so", ".pyd", ".dylib")]
+
+
 @functools.cache
 def library() -> Path | None:
-    """The built library, if this installation has one that ONNX Runtime can load."""
-    for path in sorted(HERE.glob("_blockq*")):
-        if path.suffix in (".so", ".pyd", ".dylib"):
-            opts = ort.SessionOptions()
-            try:
-                opts.register_custom_ops_library(str(path))
-            except Exception:  # built for another ONNX Runtime ABI or CPU
-                continue
-            return path
+    """The built library of this package's layout that ONNX Runtime can load, if any."""
+    for path in _candidates():
+        try:
+            if ctypes.CDLL(str(path)).blockq_layout() != LAYOUT:
+                continue  # built from other sources
+            ort.SessionOptions().register_custom_ops_library(str(path))
+        except Exception:  # not a library of ours, another ONNX Runtime ABI or CPU
+            continue
+        return path
     return None
 
 

@@ -243,6 +243,8 @@ static int best_path(void) {
 static int best_path(void) { return 0; }
 #endif
 
+int blockq_layout(void) { return BLOCKQ_LAYOUT; }
+
 static int path_limit = -1;
 
 int blockq_path(void) {

@@ -20,6 +20,11 @@
 
 #include <stdint.h>
 
+/* The version of the weight layout below; edgespec/kernels/__init__.py's LAYOUT must match,
+ * so a library built from other sources is never used on this package's bundles. */
+#define BLOCKQ_LAYOUT 1
+int blockq_layout(void);
+
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes
  * q (round to nearest even of x / d, d = max|x| / 127, 0 for a zero block), and per row and
  * block d, sum = d * (sum of the codes) and isum = the sum of the codes. */
