@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -202,6 +203,24 @@ def test_bundles_are_no_bigger_than_the_files(bundles):
                    if not f.name.startswith("draft"))
         assert size <= 1.1 * source.stat().st_size, (name, size / source.stat().st_size)
         assert read_manifest(bundles / name).target.precision == "gguf"
+
+
+def test_the_files_linears_run_on_the_own_kernel(bundles):
+    """Every linear in blocks of 32 (Q4_1, Q8_0; Q4_K, Q5_0) runs on edgespec.BlockQMatMul,
+    so the logits tests above measure it; Gemma's Q6_K (blocks of 16) stays on MatMulNBits.
+    The accuracy_level 0 export (fp32 activations) keeps ONNX Runtime's kernels."""
+    def ops(name: str) -> dict[str, set[int]]:
+        graph = onnx.load(str(bundles / name / "target.onnx"), load_external_data=False).graph
+        found: dict[str, set[int]] = {}
+        for n in graph.node:
+            if "MatMul" in n.op_type and n.op_type != "MatMul":
+                found.setdefault(n.op_type, set()).update(
+                    a.i for a in n.attribute if a.name in ("block_size", "bits"))
+        return found
+
+    assert ops("smollm2") == {"BlockQMatMul": {4, 8}}
+    assert ops("gemma") == {"BlockQMatMul": {4, 8}, "MatMulNBits": {8, 16}}
+    assert set(ops("smollm2-acc0")) == {"MatMulNBits"}
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
