@@ -117,6 +117,7 @@ class GraphBuilder:
         self.rowwise = False  # float weights as linear_ops.rowwise_int8 (a rotated export)
         self.hessians: dict[str, np.ndarray] = {}  # rowwise weights' inputs' XᵀX, for GPTQ
         self.two_rows = False  # passes have two rows at least (exact_rows)
+        self.pad_attention = False  # only attention's passes do (every linear exact at one)
         self.own_kernel = False  # block-of-32 codes on edgespec's kernel (blockq_ops)
         self._six: list[tuple[str, np.ndarray]] = []
 
@@ -512,15 +513,17 @@ def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seql
     if spec.attn_softcap:
         attrs["softcap"] = spec.attn_softcap
     positions = "position_ids"
-    if g.two_rows:  # the stream's rows: see exact_rows
+    if g.two_rows or g.pad_attention:  # the stream's rows, or attention's: see exact_rows
         positions, bias = exact_rows.padded_positions(g), exact_rows.padded_bias(g, bias)
         seqlens_k, total = exact_rows.padded_lengths(g, seqlens_k, total)
+    if g.pad_attention:
+        qkv = [exact_rows.two_rows(g, t) if t else t for t in qkv]
     attn = g.node("GroupQueryAttention",
                   [*qkv, f"past_key_{i}", f"past_value_{i}", seqlens_k, total, *rope,
                    positions, bias, *quantized],
                   [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
                   domain=MS, **attrs)[0]
-    return attn
+    return exact_rows.real_rows(g, attn, f"{p}.attn") if g.pad_attention else attn
 
 
 def mha(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], rope: list[str],
@@ -657,6 +660,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     if own_kernel is None:  # it quantizes activations to int8: accuracy_level 4's choice
         own_kernel = g.two_rows and accuracy_level == 4 and kernels.for_export()
     g.own_kernel = own_kernel and not nested
+    if g.own_kernel:  # its linears, and all others left (see invariant), are exact at one
+        g.two_rows, g.pad_attention = False, True  # row: only attention needs two
     tied = embeddings is lm_head
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew
         embeddings, lm_head = as_float(embeddings), as_float(lm_head)
