@@ -19,7 +19,12 @@ window, and its bias column is -inf as well. Its bias row copies the real one, s
 computes what its token computes and its values stay those of a real row. Passes of two
 tokens or more are left as they are.
 
-Cost: a one-token pass runs its linears on two rows. With 4-bit codes in blocks of 32
+Graphs whose linears all run on edgespec's own kernel or on one-row-exact MatMulNBits
+encodings (graph.build_decoder with own_kernel) pad attention alone instead: q, k and v
+get the copied row just before GroupQueryAttention and its output is cut right after, so
+a one-token pass runs its linears on one row.
+
+Cost (stream padding): a one-token pass runs its linears on two rows. With 4-bit codes in blocks of 32
 that is still cheaper than the blocks of 16 that exactness took before (a SmolLM2-sized
 stack of 30 layers: 10.1 ms at M=2 against 13.4 at M=1), and multi-token passes keep the
 faster kernel. A handful of small ops per graph, none per layer.
