@@ -23,8 +23,9 @@ def weights(n: int, k: int, bits: int, seed: int = 0):
     """Random codes [N, K], per-block scales and offsets [N, K/32], and w = s·u + o."""
     rng = np.random.default_rng(seed)
     u = rng.integers(0, 2 ** bits, (n, k), dtype=np.uint8)
-    s = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float32)
-    o = (-s * 2 ** (bits - 1) * rng.random((n, k // 32))).astype(np.float32)
+    # float16 values, so the same tables serve both ops (BlockQMatMulHalf reads float16)
+    s = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    o = (-s * 2 ** (bits - 1) * rng.random((n, k // 32))).astype(np.float16).astype(np.float32)
     w = u.reshape(n, -1, 32) * s[..., None].astype(np.float64) + o[..., None]
     return u, s, o, w.reshape(n, k)
 
@@ -34,15 +35,18 @@ def tiled(v: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(v.reshape(n // 16, 16, nb).transpose(0, 2, 1)).reshape(-1)
 
 
-def session(u, s, o, bits, threads: int = 2) -> ort.InferenceSession:
+def session(u, s, o, bits, threads: int = 2, half: bool = False) -> ort.InferenceSession:
+    """One BlockQMatMul (BlockQMatMulHalf with `half`: float16 scales and offsets)."""
     n, k = u.shape
+    kind, dtype = (TensorProto.FLOAT16, np.float16) if half else (TensorProto.FLOAT, np.float32)
     consts = [helper.make_tensor("codes", TensorProto.UINT8, [tiled_codes(u, bits).size],
                                  tiled_codes(u, bits).tobytes(), raw=True),
-              helper.make_tensor("scales", TensorProto.FLOAT, [s.size], tiled(s).tobytes(),
+              helper.make_tensor("scales", kind, [s.size], tiled(s).astype(dtype).tobytes(),
                                  raw=True),
-              helper.make_tensor("offsets", TensorProto.FLOAT, [o.size], tiled(o).tobytes(),
+              helper.make_tensor("offsets", kind, [o.size], tiled(o).astype(dtype).tobytes(),
                                  raw=True)]
-    node = helper.make_node("BlockQMatMul", ["x", "codes", "scales", "offsets"], ["y"],
+    node = helper.make_node("BlockQMatMulHalf" if half else "BlockQMatMul",
+                            ["x", "codes", "scales", "offsets"], ["y"],
                             domain=kernels.DOMAIN, K=k, N=n, bits=bits)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(
         "x", TensorProto.FLOAT, [1, "S", "K"])], [helper.make_tensor_value_info(
@@ -93,23 +97,25 @@ def test_every_row_is_bitwise_its_one_row_pass(bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_every_kernel_path_gives_the_same_bits(bits):
+def test_every_kernel_path_and_table_type_gives_the_same_bits(bits):
     """The portable C kernel (any CPU), the AVX2 one and the AVX-512 VNNI one give the same
-    results bit for bit, for whichever of them this CPU runs (the test host: all three)."""
+    results bit for bit, for whichever of them this CPU runs (the test host: all three),
+    from float32 tables and from float16 ones holding the same values."""
     lib = ctypes.CDLL(str(kernels.library()))  # the library ONNX Runtime loaded
     u, s, o, _ = weights(64, 512, bits, seed=4)
     x = np.random.default_rng(5).standard_normal((1, 9, 512)).astype(np.float32)
     x[0, 3, :32] = 0  # a zero block
-    run = session(u, s, o, bits)
     results = {}
     try:
-        for path in range(kernels.path() + 1):
-            lib.blockq_limit_path(path)
-            results[path] = run.run(None, {"x": x})[0]
+        for half in (False, True):
+            run = session(u, s, o, bits, half=half)
+            for path in range(kernels.path() + 1):
+                lib.blockq_limit_path(path)
+                results[half, path] = run.run(None, {"x": x})[0]
     finally:
         lib.blockq_limit_path(-1)
     for got in results.values():
-        assert np.array_equal(got, results[0])
+        assert np.array_equal(got, results[False, 0])
 
 
 def test_bad_shapes_are_refused_with_the_reason():

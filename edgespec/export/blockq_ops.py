@@ -68,8 +68,26 @@ def _zero(g: GraphBuilder, q: QuantizedWeight, store: str) -> str:
     return g.const(f"{store}.zero.f", z.astype(np.float32))
 
 
-def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, str]:
-    """The kernel's codes, scales and offsets for `q`, made once per `store`."""
+def _values(q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 scales and offsets [N * nb] the graph computes at session load."""
+    scales = q.scales.astype(np.float32)
+    shift = scales * q.zero_points.reshape(-1).astype(np.float32)
+    mins = np.float32(0) if q.mins is None else q.mins.astype(np.float32)
+    return scales, (mins - shift).astype(np.float32)
+
+
+def halves(q: QuantizedWeight) -> bool:
+    """Whether every scale and offset is exactly a float16 (GGUF's Q4_0, Q4_1, Q5_*, Q8_0
+    are; Q4_K's d·sc products mostly not): then the kernel reads them at half the bytes."""
+    return all(np.array_equal(v.astype(np.float16).astype(np.float32), v)
+               for v in _values(q))
+
+
+def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, str, bool]:
+    """The kernel's codes, scales and offsets for `q`, made once per `store`, and whether
+    the tables are float16."""
+    half = halves(q)
+
     def codes() -> str:
         tiles = tiled_codes(unpack_rows(q.packed, q.bits).reshape(q.n, -1)[:, :q.k], q.bits)
         if "codes" not in (q.stored or {}):
@@ -87,9 +105,19 @@ def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, 
                       [f"{store}.tiles.hs"], f"{store}.tiles.hs", direction="LEFT")[0]
         return g.node("BitwiseOr", [low, high], [f"{store}.tiles"], f"{store}.tiles")[0]
 
-    def offsets() -> str:
-        scales = g.rebuilt32(store, "scales", q) if "scales" in (q.stored or {}) else \
+    def flat_scales() -> str:
+        return g.rebuilt32(store, "scales", q) if "scales" in (q.stored or {}) else \
             g.const(f"{store}.scales.f32", q.scales.astype(np.float32))
+
+    def table(values: str, name: str) -> str:
+        tiled = _tiled(g, values, q, name)
+        if not half:
+            return tiled
+        return g.node("Cast", [tiled], [f"{name}.half"], f"{name}.half",
+                      to=TensorProto.FLOAT16)[0]
+
+    def offsets() -> str:
+        scales = flat_scales()
         shift = g.node("Mul", [scales, _zero(g, q, store)], [f"{store}.zs"], f"{store}.zs")[0]
         if q.mins is None:
             off = g.node("Neg", [shift], [f"{store}.off"], f"{store}.off")[0]
@@ -97,28 +125,24 @@ def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, 
             mins = g.rebuilt32(store, "mins", q) if "mins" in (q.stored or {}) else \
                 g.const(f"{store}.mins.f32", q.mins.astype(np.float32))
             off = g.node("Sub", [mins, shift], [f"{store}.off"], f"{store}.off")[0]
-        return _tiled(g, off, q, f"{store}.offsets")
+        return table(off, f"{store}.offsets")
 
-    def scales() -> str:
-        flat = g.rebuilt32(store, "scales", q) if "scales" in (q.stored or {}) else \
-            g.const(f"{store}.scales.f32", q.scales.astype(np.float32))
-        return _tiled(g, flat, q, f"{store}.scales")
-
-    return (g.once(f"{store}.tiles", codes), g.once(f"{store}.tiled_scales", scales),
-            g.once(f"{store}.tiled_offsets", offsets))
+    return (g.once(f"{store}.tiles", codes),
+            g.once(f"{store}.tiled_scales", lambda: table(flat_scales(), f"{store}.scales")),
+            g.once(f"{store}.tiled_offsets", offsets), half)
 
 
 def linear(g: GraphBuilder, x: str, q: QuantizedWeight, name: str, store: str) -> str:
     """y = x @ wᵀ on the own kernel."""
-    codes, scales, offsets = _tables(g, q, store)
-    return g.node("BlockQMatMul", [x, codes, scales, offsets], [f"{name}.out"], name,
-                  domain=DOMAIN, K=q.k, N=q.n, bits=q.bits)[0]
+    codes, scales, offsets, half = _tables(g, q, store)
+    return g.node("BlockQMatMulHalf" if half else "BlockQMatMul", [x, codes, scales, offsets],
+                  [f"{name}.out"], name, domain=DOMAIN, K=q.k, N=q.n, bits=q.bits)[0]
 
 
 def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> str:
     """Embedding rows [1, S, K] read from a tied head's tiled codes (stored once): row n
     is lane n % 16 of tile n // 16, s·u + o per block."""
-    codes, scales, offsets = _tables(g, q, store)
+    codes, scales, offsets, half = _tables(g, q, store)
     nb, i64 = q.k // BLOCK, np.int64
     units = 8 if q.bits == 8 else 4  # 16 x 4 bytes each: one group, or two in nibbles
 
@@ -153,7 +177,10 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
         f"gq.fsteps.{nb}", np.arange(nb, dtype=i64) * LANES)], "findex")
 
     def per_block(table: str, kind: str) -> str:
-        return op("Unsqueeze", [op("Gather", [table, findex], kind), last], f"{kind}.u")
+        got = op("Gather", [table, findex], kind)
+        if half:
+            got = op("Cast", [got], f"{kind}.f", to=TensorProto.FLOAT)
+        return op("Unsqueeze", [got, last], f"{kind}.u")
 
     w = op("Add", [op("Mul", [values, per_block(scales, "s")], "scaled"),
                    per_block(offsets, "o")], "w")

@@ -24,8 +24,8 @@ encodings (graph.build_decoder with own_kernel) pad attention alone instead: q, 
 get the copied row just before GroupQueryAttention and its output is cut right after, so
 a one-token pass runs its linears on one row.
 
-Cost (stream padding): a one-token pass runs its linears on two rows. With 4-bit codes in blocks of 32
-that is still cheaper than the blocks of 16 that exactness took before (a SmolLM2-sized
+Cost (stream padding): a one-token pass runs its linears on two rows. With 4-bit codes in
+blocks of 32 that is still cheaper than the blocks of 16 that exactness took before (a SmolLM2-sized
 stack of 30 layers: 10.1 ms at M=2 against 13.4 at M=1), and multi-token passes keep the
 faster kernel. A handful of small ops per graph, none per layer.
 """

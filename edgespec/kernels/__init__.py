@@ -18,7 +18,7 @@ import onnxruntime as ort
 
 HERE = Path(__file__).parent
 DOMAIN = "edgespec"  # the ops' ONNX domain
-LAYOUT = 1  # the weight layout of blockq.h: cached exports are made anew when it changes
+LAYOUT = 2  # blockq.h's layout and ops: cached exports are made anew when it changes
 
 
 def _candidates() -> list[Path]:

@@ -48,10 +48,33 @@ static inline int code_at(const uint8_t *block, int64_t bits, int g, int c, int 
     return g % 2 ? (byte >> 4) : (byte & 0x0F);
 }
 
-static void columns_portable(const BlockqRows *x, int64_t N, const uint8_t *codes,
-                             const float *scales, const float *offsets, int64_t bits, float *y,
-                             int64_t t0, int64_t t1) {
-    const int64_t K = x->K, nb = K / 32, block_bytes = GROUPS * 4 * LANES * bits / 8;
+/* IEEE half -> float, exactly (every half is a float). */
+static float from_half(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float v;
+    if (exp == 0) {
+        v = ldexpf((float)man, -24); /* zero and subnormals */
+    } else if (exp == 31) {
+        v = man ? NAN : INFINITY;
+    } else {
+        v = ldexpf((float)(man | 0x400), (int)exp - 25);
+    }
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits |= sign;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+static float table_at(const void *table, int half, int64_t i) {
+    return half ? from_half(((const uint16_t *)table)[i]) : ((const float *)table)[i];
+}
+
+static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
+                             int64_t t1) {
+    const int64_t K = x->K, N = w->N, bits = w->bits, nb = K / 32;
+    const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
+    const uint8_t *codes = w->codes;
     for (int64_t t = t0; t < t1; ++t) {
         for (int c = 0; c < LANES; ++c) {
             for (int64_t m = 0; m < x->M; ++m) {
@@ -63,8 +86,8 @@ static void columns_portable(const BlockqRows *x, int64_t N, const uint8_t *code
                     for (int g = 0; g < GROUPS; ++g)
                         for (int j = 0; j < 4; ++j) dot += code_at(block, bits, g, c, j) * q[g * 4 + j];
                     const int64_t at = (t * nb + b) * LANES + c, row = m * nb + b;
-                    acc = fmaf((float)dot, scales[at] * x->d[row], acc);
-                    acc = fmaf(offsets[at], x->sum[row], acc);
+                    acc = fmaf((float)dot, table_at(w->scales, w->half, at) * x->d[row], acc);
+                    acc = fmaf(table_at(w->offsets, w->half, at), x->sum[row], acc);
                 }
                 y[m * N + t * LANES + c] = acc;
             }
@@ -75,7 +98,7 @@ static void columns_portable(const BlockqRows *x, int64_t N, const uint8_t *code
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_ROWS 6
 
@@ -88,10 +111,17 @@ static int32_t four_codes(const BlockqRows *x, int64_t m, int64_t b, int g) {
 /* AVX-512 VNNI: rows m0 .. m0+R-1 of T adjacent tiles (T*16 columns, one register each);
  * each weight group is unpacked once for all R rows and each activation group broadcast
  * once for all T tiles. */
-VNNI INLINE void tile_rows_vnni(const BlockqRows *x, int64_t N, const uint8_t *codes,
-                                const float *scales, const float *offsets, int64_t bits,
-                                float *y, int64_t t, int64_t m0, const int T, const int R) {
-    const int64_t nb = x->K / 32, block_bytes = GROUPS * 4 * LANES * bits / 8;
+/* 16 table entries from `at` as floats. */
+VNNI INLINE __m512 table16(const void *table, int half, int64_t at) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)table + at)));
+    return _mm512_loadu_ps((const float *)table + at);
+}
+
+VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, float *y,
+                                int64_t t, int64_t m0, const int T, const int R) {
+    const int64_t N = wt->N, bits = wt->bits, nb = x->K / 32;
+    const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
+    const uint8_t *codes = wt->codes;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[2][MAX_ROWS];
     for (int i = 0; i < T; ++i)
@@ -123,7 +153,8 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, int64_t N, const uint8_t *c
         }
         for (int i = 0; i < T; ++i) {
             const int64_t at = ((t + i) * nb + b) * LANES;
-            const __m512 s = _mm512_loadu_ps(scales + at), o = _mm512_loadu_ps(offsets + at);
+            const __m512 s = table16(wt->scales, wt->half, at);
+            const __m512 o = table16(wt->offsets, wt->half, at);
             for (int r = 0; r < R; ++r) {
                 const int64_t row = (m0 + r) * nb + b;
                 const __m512 d = _mm512_mul_ps(s, _mm512_set1_ps(x->d[row]));
@@ -149,10 +180,17 @@ AVX2 INLINE __m256i dot4_avx2(__m256i w, __m256i a, int64_t bits) {
 }
 
 /* AVX2: rows m0 .. m0+R-1 of one tile, as two halves of 8 columns. */
-AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, int64_t N, const uint8_t *codes,
-                                const float *scales, const float *offsets, int64_t bits,
-                                float *y, int64_t t, int64_t m0, const int R) {
-    const int64_t nb = x->K / 32, block_bytes = GROUPS * 4 * LANES * bits / 8;
+/* 8 table entries from `at` as floats. */
+AVX2 INLINE __m256 table8(const void *table, int half, int64_t at) {
+    if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)table + at)));
+    return _mm256_loadu_ps((const float *)table + at);
+}
+
+AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, float *y,
+                                int64_t t, int64_t m0, const int R) {
+    const int64_t N = wt->N, bits = wt->bits, nb = x->K / 32;
+    const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
+    const uint8_t *codes = wt->codes;
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256 acc[2][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -179,7 +217,8 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, int64_t N, const uint8_t *c
         }
         for (int half = 0; half < 2; ++half) {
             const int64_t at = (t * nb + b) * LANES + half * 8;
-            const __m256 s = _mm256_loadu_ps(scales + at), o = _mm256_loadu_ps(offsets + at);
+            const __m256 s = table8(wt->scales, wt->half, at);
+            const __m256 o = table8(wt->offsets, wt->half, at);
             for (int r = 0; r < R; ++r) {
                 const int64_t row = (m0 + r) * nb + b;
                 __m256i exact = dot[r][half];
@@ -196,16 +235,15 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, int64_t N, const uint8_t *c
 }
 
 #define VNNI_CASE(T, n) \
-    case n: tile_rows_vnni(x, N, codes, scales, offsets, bits, y, t, m0, T, n); break;
+    case n: tile_rows_vnni(x, w, y, t, m0, T, n); break;
 #define VNNI_SWITCH(T, rows)                                                   \
     switch (rows) {                                                            \
         VNNI_CASE(T, 1) VNNI_CASE(T, 2) VNNI_CASE(T, 3) VNNI_CASE(T, 4)        \
         VNNI_CASE(T, 5) VNNI_CASE(T, 6)                                        \
     }
 
-VNNI static void columns_vnni(const BlockqRows *x, int64_t N, const uint8_t *codes,
-                              const float *scales, const float *offsets, int64_t bits, float *y,
-                              int64_t t0, int64_t t1) {
+VNNI static void columns_vnni(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
+                              int64_t t1) {
     /* rows in near-equal chunks of at most MAX_ROWS (17 -> 5, 6, 6) */
     const int64_t M = x->M, chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
     for (int64_t t = t0; t < t1; t += 2) {
@@ -221,14 +259,13 @@ VNNI static void columns_vnni(const BlockqRows *x, int64_t N, const uint8_t *cod
     }
 }
 
-AVX2 static void columns_avx2(const BlockqRows *x, int64_t N, const uint8_t *codes,
-                              const float *scales, const float *offsets, int64_t bits, float *y,
-                              int64_t t0, int64_t t1) {
+AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
+                              int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
         int64_t m0 = 0;
         for (; m0 + 2 <= x->M; m0 += 2)
-            tile_rows_avx2(x, N, codes, scales, offsets, bits, y, t, m0, 2);
-        if (m0 < x->M) tile_rows_avx2(x, N, codes, scales, offsets, bits, y, t, m0, 1);
+            tile_rows_avx2(x, w, y, t, m0, 2);
+        if (m0 < x->M) tile_rows_avx2(x, w, y, t, m0, 1);
     }
 }
 
@@ -237,7 +274,8 @@ static int best_path(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         return 2;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? 1 : 0;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                   __builtin_cpu_supports("f16c") ? 1 : 0;
 }
 #else
 static int best_path(void) { return 0; }
@@ -255,14 +293,13 @@ int blockq_path(void) {
 
 void blockq_limit_path(int path) { path_limit = path; }
 
-void blockq_columns(const BlockqRows *rows, int64_t N, const uint8_t *codes,
-                    const float *scales, const float *offsets, int64_t bits, float *y,
+void blockq_columns(const BlockqRows *rows, const BlockqWeight *weight, float *y,
                     int64_t tile_begin, int64_t tile_end) {
     switch (blockq_path()) {
 #if defined(__GNUC__) && defined(__x86_64__)
-    case 2: columns_vnni(rows, N, codes, scales, offsets, bits, y, tile_begin, tile_end); return;
-    case 1: columns_avx2(rows, N, codes, scales, offsets, bits, y, tile_begin, tile_end); return;
+    case 2: columns_vnni(rows, weight, y, tile_begin, tile_end); return;
+    case 1: columns_avx2(rows, weight, y, tile_begin, tile_end); return;
 #endif
-    default: columns_portable(rows, N, codes, scales, offsets, bits, y, tile_begin, tile_end);
+    default: columns_portable(rows, weight, y, tile_begin, tile_end);
     }
 }

@@ -13,7 +13,7 @@
  *   bits 8: 64 bytes at ((t*nb + b)*8 + g)*64, byte i = column t*16 + i/4, input b*32 + g*4 + i%4
  *   bits 4: 64 bytes at ((t*nb + b)*4 + h)*64, byte i = column t*16 + i/4 at input
  *           b*32 + 2h*4 + i%4 (low nibble) and b*32 + (2h+1)*4 + i%4 (high nibble)
- *   scales, offsets: float at (t*nb + b)*16 + n%16.
+ *   scales, offsets: float or half at (t*nb + b)*16 + n%16.
  */
 #ifndef EDGESPEC_BLOCKQ_H
 #define EDGESPEC_BLOCKQ_H
@@ -22,7 +22,7 @@
 
 /* The version of the weight layout below; edgespec/kernels/__init__.py's LAYOUT must match,
  * so a library built from other sources is never used on this package's bundles. */
-#define BLOCKQ_LAYOUT 1
+#define BLOCKQ_LAYOUT 2
 int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes
@@ -37,9 +37,17 @@ typedef struct {
 
 void blockq_quantize_rows(const float *x, BlockqRows *rows);
 
+/* A weight [N, K] in the layout above: codes, and per block scales and offsets, float or
+ * (half != 0) IEEE half, where every value is one exactly (half the bytes to read). */
+typedef struct {
+    const uint8_t *codes;
+    const void *scales, *offsets;
+    int64_t N, bits;
+    int half;
+} BlockqWeight;
+
 /* y[m, n] for n in [tile_begin*16, tile_end*16): columns in tiles of 16 (N % 16 == 0). */
-void blockq_columns(const BlockqRows *rows, int64_t N, const uint8_t *codes,
-                    const float *scales, const float *offsets, int64_t bits, float *y,
+void blockq_columns(const BlockqRows *rows, const BlockqWeight *weight, float *y,
                     int64_t tile_begin, int64_t tile_end);
 
 /* The column kernel that runs here: 2 AVX-512 VNNI, 1 AVX2, 0 portable C (same results). */

@@ -45,6 +45,7 @@ typedef enum ONNXTensorElementDataType {
   ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED = 0,
   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1,
   ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 = 2,
+  ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 = 10,
 } ONNXTensorElementDataType;
 
 /* Status codes (the ones we raise; the runtime's enum has more). */

@@ -1,4 +1,4 @@
-/* ort_op.c: ONNX Runtime custom-op library with one op, edgespec.BlockQMatMul (CPU).
+/* ort_op.c: ONNX Runtime custom-op library with edgespec.BlockQMatMul and BlockQMatMulHalf (CPU).
  *
  * Load with onnxruntime.SessionOptions().register_custom_ops_library(path); the runtime then
  * calls RegisterCustomOps below. Only the C ABI slice declared in ort_abi.h is used.
@@ -6,6 +6,7 @@
  * BlockQMatMul(X, codes, scales, offsets) -> Y, attributes K, N, bits (int64):
  *   X float [..., K]; codes uint8 1-D (N*K/2 for bits 4, N*K for bits 8, layout in blockq.h);
  *   scales, offsets float 1-D (N*K/32); Y float [..., N] with X's leading dimensions.
+ * BlockQMatMulHalf: the same with scales and offsets in float16 (half the bytes per step).
  * X is quantized once per call (blockq_quantize_rows), then the N/16 column tiles are split
  * into contiguous ranges run on ONNX Runtime's intra-op thread pool (blockq_columns).
  */
@@ -26,6 +27,7 @@
 #endif
 
 #define OP_NAME "BlockQMatMul"
+#define OP_NAME_HALF "BlockQMatMulHalf"
 #define OP_DOMAIN "edgespec"
 
 /* Column tiles are handed out in at most TASKS_PER_CPU ranges per online CPU (the pool takes
@@ -43,6 +45,7 @@ typedef struct {
   const OrtApi *api; /* the table the runtime handed to create_kernel */
   int64_t K, N, bits;
   int64_t cpus;
+  int half; /* scales and offsets in IEEE half (OP_NAME_HALF) */
 } BlockQKernel;
 
 static OrtStatus *op_error(const OrtApi *api, OrtErrorCode code, const char *fmt, ...) {
@@ -78,9 +81,10 @@ static OrtStatus *read_attr(const OrtApi *api, const OrtKernelInfo *info, const 
   return err;
 }
 
+static const OrtCustomOp g_op_half;
+
 static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api,
                                              const OrtKernelInfo *info, void **kernel) {
-  (void)op;
   *kernel = NULL;
   int64_t K, N, bits;
   OrtStatus *st;
@@ -106,6 +110,7 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   k->N = N;
   k->bits = bits;
   k->cpus = online_cpus();
+  k->half = op == &g_op_half;
   *kernel = k;
   return NULL;
 }
@@ -156,10 +161,7 @@ static OrtStatus *check_vector(const OrtApi *api, const OrtValue *v, const char 
 
 typedef struct {
   const BlockqRows *rows;
-  int64_t N;
-  const uint8_t *codes;
-  const float *scales, *offsets;
-  int64_t bits;
+  BlockqWeight weight;
   float *y;
   int64_t tiles, tasks;
 } ColumnsJob;
@@ -170,7 +172,7 @@ static void columns_task(void *user_data, size_t i) {
   int64_t begin = j->tiles * (int64_t)i / j->tasks;
   int64_t end = j->tiles * ((int64_t)i + 1) / j->tasks;
   if (begin < end)
-    blockq_columns(j->rows, j->N, j->codes, j->scales, j->offsets, j->bits, j->y, begin, end);
+    blockq_columns(j->rows, &j->weight, j->y, begin, end);
 }
 
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
@@ -239,8 +241,8 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   }
   blockq_quantize_rows((const float *)px, &rows);
 
-  ColumnsJob job = {&rows, N, (const uint8_t *)pcodes, (const float *)pscales,
-                    (const float *)poffsets, bits, (float *)py, N / 16, 1};
+  ColumnsJob job = {&rows, {(const uint8_t *)pcodes, pscales, poffsets, N, bits, k->half},
+                    (float *)py, N / 16, 1};
   int64_t tile_macs = 16 * K * M;
   int64_t min_tiles = (MIN_TASK_MACS + tile_macs - 1) / tile_macs;
   int64_t tasks = (job.tiles + min_tiles - 1) / min_tiles;
@@ -263,8 +265,7 @@ done:
 /* ---- the op's schema ---- */
 
 static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
-  (void)op;
-  return OP_NAME;
+  return op == &g_op_half ? OP_NAME_HALF : OP_NAME;
 }
 static const char *ORT_API_CALL op_provider(const OrtCustomOp *op) {
   (void)op;
@@ -275,8 +276,9 @@ static size_t ORT_API_CALL op_input_count(const OrtCustomOp *op) {
   return 4;
 }
 static ONNXTensorElementDataType ORT_API_CALL op_input_type(const OrtCustomOp *op, size_t i) {
-  (void)op;
-  return i == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  if (i == 1) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+  if (i > 1 && op == &g_op_half) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static size_t ORT_API_CALL op_output_count(const OrtCustomOp *op) {
   (void)op;
@@ -303,27 +305,23 @@ static int ORT_API_CALL op_one(const OrtCustomOp *op) {
   return 1;
 }
 
-static const OrtCustomOp g_op = {
-    .version = EDGESPEC_ORT_API_VERSION,
-    .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = op_input_type,
-    .GetInputTypeCount = op_input_count,
-    .GetOutputType = op_output_type,
-    .GetOutputTypeCount = op_output_count,
-    .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = op_required,
-    .GetOutputCharacteristic = op_required,
-    .GetInputMemoryType = op_input_memory,
-    .GetVariadicInputMinArity = op_one,
-    .GetVariadicInputHomogeneity = op_one,
-    .GetVariadicOutputMinArity = op_one,
-    .GetVariadicOutputHomogeneity = op_one,
-    .CreateKernelV2 = create_kernel,
-    .KernelComputeV2 = compute,
-    /* CreateKernel / KernelCompute (pre-16 entry points), shape inference, opset range and
-       the aliasing hints are left NULL: the runtime skips them for this version. */
-};
+#define BLOCKQ_OP                                                                       \
+  {                                                                                     \
+    .version = EDGESPEC_ORT_API_VERSION, .GetName = op_name,                            \
+    .GetExecutionProviderType = op_provider, .GetInputType = op_input_type,             \
+    .GetInputTypeCount = op_input_count, .GetOutputType = op_output_type,               \
+    .GetOutputTypeCount = op_output_count, .KernelDestroy = destroy_kernel,             \
+    .GetInputCharacteristic = op_required, .GetOutputCharacteristic = op_required,      \
+    .GetInputMemoryType = op_input_memory, .GetVariadicInputMinArity = op_one,          \
+    .GetVariadicInputHomogeneity = op_one, .GetVariadicOutputMinArity = op_one,         \
+    .GetVariadicOutputHomogeneity = op_one, .CreateKernelV2 = create_kernel,            \
+    .KernelComputeV2 = compute,                                                         \
+  }
+/* CreateKernel / KernelCompute (pre-16 entry points), shape inference, opset range and the
+   aliasing hints are left NULL: the runtime skips them for this version. The two ops differ
+   only in the type of their scales and offsets (op_input_type, create_kernel). */
+static const OrtCustomOp g_op = BLOCKQ_OP;
+static const OrtCustomOp g_op_half = BLOCKQ_OP;
 
 /* ---- entry point ---- */
 
@@ -347,5 +345,6 @@ EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *opt
   OrtStatus *st = api->CreateCustomOpDomain(OP_DOMAIN, &domain);
   if (st != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_op)) != NULL) return st;
+  if ((st = api->CustomOpDomain_Add(domain, &g_op_half)) != NULL) return st;
   return api->AddCustomOpDomain(options, domain);
 }
