@@ -206,9 +206,11 @@ def test_bundles_are_no_bigger_than_the_files(bundles):
 
 
 def test_the_files_linears_run_on_the_own_kernel(bundles):
-    """Every linear in blocks of 32 (Q4_1, Q8_0; Q4_K, Q5_0) runs on edgespec.BlockQMatMul,
-    so the logits tests above measure it; Gemma's Q6_K (blocks of 16) stays on MatMulNBits.
-    The accuracy_level 0 export (fp32 activations) keeps ONNX Runtime's kernels."""
+    """Every linear in blocks of 32 (Q4_1, Q8_0; Q4_K, Q5_0) runs on edgespec's kernel
+    (BlockQMatMulHalf where every scale and offset is a float16: Q4_1, Q5_0, Q8_0;
+    BlockQMatMul for Q4_K's products), so the logits tests above measure it; Gemma's Q6_K
+    (blocks of 16) stays on MatMulNBits. The accuracy_level 0 export (fp32 activations)
+    keeps ONNX Runtime's kernels."""
     def ops(name: str) -> dict[str, set[int]]:
         graph = onnx.load(str(bundles / name / "target.onnx"), load_external_data=False).graph
         found: dict[str, set[int]] = {}
@@ -218,8 +220,9 @@ def test_the_files_linears_run_on_the_own_kernel(bundles):
                     a.i for a in n.attribute if a.name in ("block_size", "bits"))
         return found
 
-    assert ops("smollm2") == {"BlockQMatMul": {4, 8}}
-    assert ops("gemma") == {"BlockQMatMul": {4, 8}, "MatMulNBits": {8, 16}}
+    assert ops("smollm2") == {"BlockQMatMulHalf": {4, 8}}
+    assert ops("gemma") == {"BlockQMatMul": {4}, "BlockQMatMulHalf": {8},
+                            "MatMulNBits": {8, 16}}
     assert set(ops("smollm2-acc0")) == {"MatMulNBits"}
 
 

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgespec import kernels
-from edgespec.export.blockq_ops import tiled_codes
+from edgespec.export.blockq_ops import kept_rows, tiled_codes
 
 
 def weights(n: int, k: int, bits: int, seed: int = 0):
@@ -37,27 +37,27 @@ def tiled(v: np.ndarray) -> np.ndarray:
 
 def session(u, s, o, bits, threads: int = 2, half: bool = False) -> ort.InferenceSession:
     """One BlockQMatMul (BlockQMatMulHalf with `half`: float16 scales and offsets)."""
-    n, k = u.shape
-    kind, dtype = (TensorProto.FLOAT16, np.float16) if half else (TensorProto.FLOAT, np.float32)
-    consts = [helper.make_tensor("codes", TensorProto.UINT8, [tiled_codes(u, bits).size],
-                                 tiled_codes(u, bits).tobytes(), raw=True),
-              helper.make_tensor("scales", kind, [s.size], tiled(s).astype(dtype).tobytes(),
+    dtype = np.float16 if half else np.float32
+    return session_of(tiled_codes(u, bits), tiled(s).astype(dtype), tiled(o).astype(dtype),
+                      u.shape[1], bits, threads)
+
+
+def session_of(codes, scales, offsets, k: int, bits: int, threads: int = 2
+               ) -> ort.InferenceSession:
+    """One op over tables already in the kernel's flat layout (float16 ones: the Half op)."""
+    n, half = scales.size * 32 // k, scales.dtype == np.float16
+    kind = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    consts = [helper.make_tensor("codes", TensorProto.UINT8, [codes.size], codes.tobytes(),
                                  raw=True),
-              helper.make_tensor("offsets", kind, [o.size], tiled(o).astype(dtype).tobytes(),
-                                 raw=True)]
+              helper.make_tensor("scales", kind, [scales.size], scales.tobytes(), raw=True),
+              helper.make_tensor("offsets", kind, [offsets.size], offsets.tobytes(), raw=True)]
     node = helper.make_node("BlockQMatMulHalf" if half else "BlockQMatMul",
                             ["x", "codes", "scales", "offsets"], ["y"],
                             domain=kernels.DOMAIN, K=k, N=n, bits=bits)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(
         "x", TensorProto.FLOAT, [1, "S", "K"])], [helper.make_tensor_value_info(
             "y", TensorProto.FLOAT, [1, "S", n])], initializer=consts)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(kernels.DOMAIN, 1)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    kernels.register(opts)
-    return ort.InferenceSession(model.SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
+    return kernels.op_session(graph, threads)
 
 
 def quantized(x: np.ndarray) -> np.ndarray:
@@ -122,3 +122,21 @@ def test_bad_shapes_are_refused_with_the_reason():
     u, s, o, _ = weights(32, 64, 8)
     with pytest.raises(Exception, match="BlockQMatMul"):
         session(u, s, o, 8).run(None, {"x": np.zeros((1, 2, 32), np.float32)})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("half", [False, True])
+def test_kept_rows_of_the_tables_give_those_rows_outputs(bits, half):
+    """Re-trimming an exported head slices the kernel's tables: the kept rows' outputs are
+    bitwise the full op's, in the chosen order; the padding to a whole tile gives 0."""
+    u, s, o, _ = weights(96, 256, bits, seed=6)
+    dtype = np.float16 if half else np.float32
+    tables = tiled_codes(u, bits), tiled(s).astype(dtype), tiled(o).astype(dtype)
+    rows = np.random.default_rng(7).choice(96, 37, replace=False)
+    kept = kept_rows(*tables, 256, bits, rows)
+    assert kept[1].dtype == dtype and kept[1].size == 48 * 256 // 32
+    x = np.random.default_rng(8).standard_normal((1, 5, 256)).astype(np.float32)
+    full = session_of(*tables, 256, bits).run(None, {"x": x})[0]
+    got = session_of(*kept, 256, bits).run(None, {"x": x})[0]
+    assert np.array_equal(got[..., :37], full[..., rows])
+    assert not got[..., 37:].any()

@@ -133,11 +133,11 @@ def test_retrim_an_exported_bundle(tmp_path, demo_target, demo_draft, precision)
     ids = [0, 17, 300, 41]
     full_logits = full.draft.forward(ids)
     out = subprocess.run([sys.executable, "-m", "edgespec.cli", "vocab-trim",
-                          str(tmp_path / "b"), "--k", "512"], capture_output=True, text=True)
+                          str(tmp_path / "b"), "--k", "500"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     trimmed = edgespec.load(tmp_path / "b")  # verifies every file's sha256 too
     kept = np.load(tmp_path / "b" / "draft_vocab.npy")
-    assert trimmed.manifest.draft.vocab_size == 512 == len(kept)
+    assert trimmed.manifest.draft.vocab_size == 500 == len(kept)  # int8: not whole tiles
     got = trimmed.draft.forward(ids)  # full-vocabulary view: -inf outside the kept ids
     assert np.abs(got[:, kept] - full_logits[:, kept]).max() < 1e-5
     assert (np.delete(got, kept, axis=1) < -1e30).all()
@@ -145,7 +145,7 @@ def test_retrim_an_exported_bundle(tmp_path, demo_target, demo_draft, precision)
     assert trimmed.generate("def f(x):", max_new_tokens=24).token_ids == ar.token_ids
     again = subprocess.run([sys.executable, "-m", "edgespec.cli", "vocab-trim",
                             str(tmp_path / "b"), "--k", "1024"], capture_output=True, text=True)
-    assert again.returncode == 1 and "already keeps 512" in again.stderr
+    assert again.returncode == 1 and "already keeps 500" in again.stderr
 
 
 @pytest.fixture(scope="module")

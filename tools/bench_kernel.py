@@ -41,15 +41,8 @@ def stack(hidden: int, ffn: int, kv: int, layers: int, vocab: int, threads: int,
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
     inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, "S", width])
               for name, width in (("x", hidden), ("x_ffn", ffn))]
-    model = helper.make_model(helper.make_graph(nodes, "kernel", inputs, outputs,
-                                                initializer=inits),
-                              opset_imports=[helper.make_opsetid("", 21),
-                                             helper.make_opsetid(kernels.DOMAIN, 1)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    kernels.register(opts)
-    return ort.InferenceSession(model.SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
+    return kernels.op_session(helper.make_graph(nodes, "kernel", inputs, outputs,
+                                                initializer=inits), threads)
 
 
 def main() -> None:

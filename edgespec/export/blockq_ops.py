@@ -49,6 +49,29 @@ def tiled_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(tiles, dtype=np.uint8).reshape(-1)
 
 
+def kept_rows(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, k: int, bits: int,
+              rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A linear's tables in the kernel's layout (flat, as the op reads them) keeping only
+    output `rows`, padded with zero rows to whole tiles (their outputs are 0): for
+    re-trimming an exported head without the source weights."""
+    n, nb = scales.size // (k // BLOCK), k // BLOCK
+    if bits == 4:  # undo the nibble pairing: groups 2h, 2h + 1
+        pairs = codes.reshape(n // LANES, nb, 4, 1, LANES, 4)
+        codes = np.concatenate([pairs & 0x0F, pairs >> 4], axis=3)
+    rows_k = codes.reshape(n // LANES, nb, 8, LANES, 4).transpose(0, 3, 1, 2, 4).reshape(n, k)
+    pad = -len(rows) % LANES
+
+    def kept(table: np.ndarray) -> np.ndarray:
+        per_row = table.reshape(n, -1)[rows]
+        return np.concatenate([per_row, np.zeros((pad, per_row.shape[1]), per_row.dtype)])
+
+    def table(values: np.ndarray) -> np.ndarray:
+        grid = kept(values.reshape(n // LANES, nb, LANES).transpose(0, 2, 1))
+        return np.ascontiguousarray(grid.reshape(-1, LANES, nb).transpose(0, 2, 1)).reshape(-1)
+
+    return tiled_codes(kept(rows_k), bits), table(scales), table(offsets)
+
+
 def _tiled(g: GraphBuilder, per_block: str, q: QuantizedWeight, name: str) -> str:
     """Per-block floats [N * nb] (row-major) -> the kernel's layout [N/16 * nb * 16]."""
     nb = q.k // BLOCK

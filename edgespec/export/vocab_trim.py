@@ -18,6 +18,8 @@ from onnx import numpy_helper
 
 from edgespec.bundle import Manifest, ModelEntry, read_manifest, write_bundle
 from edgespec.errors import EdgespecError
+from edgespec.export.blockq_ops import BLOCK, kept_rows
+from edgespec.kernels import DOMAIN
 from edgespec.quant.vocab_trim import count_tokens, kept_tokens
 from edgespec.runtimes import DecoderSession
 from edgespec.spec import GenerationStats, SamplingParams, ar_decode
@@ -114,6 +116,15 @@ def _slice_head(model: onnx.ModelProto, rows: np.ndarray) -> None:
 
     if node.op_type == "MatMul":  # stored transposed, [hidden, rows]
         node.input[1] = sliced(node.input[1], _constant(model, node.input[1])[:, rows])
+    elif node.domain == DOMAIN:  # the own kernel's tiles of 16 rows
+        a = {a.name: a for a in node.attribute}
+        tables = kept_rows(*(_constant(model, name) for name in node.input[1:4]), a["K"].i,
+                           a["bits"].i, rows)
+        for i, (name, table) in enumerate(zip(node.input[1:4], tables, strict=True), start=1):
+            node.input[i] = sliced(name, table)
+        a["N"].i = len(tables[1]) * BLOCK // a["K"].i
+        if a["N"].i != len(rows):  # padded to whole tiles: keep the real rows' logits
+            _cut_last_axis(model, node, len(rows))
     else:  # MatMulNBits: packed blocks, scales (and zero points) per output row, maybe flat
         n = next(a for a in node.attribute if a.name == "N")
         for i, name in enumerate(node.input[1:4], start=1):
@@ -125,6 +136,18 @@ def _slice_head(model: onnx.ModelProto, rows: np.ndarray) -> None:
     logits = next(o for o in model.graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[2].dim_value = len(rows)
     _drop_unread(model.graph)
+
+
+def _cut_last_axis(model: onnx.ModelProto, node: onnx.NodeProto, size: int) -> None:
+    """Keep the first `size` entries of `node`'s output's last axis, under the same name."""
+    out = node.output[0]
+    node.output[0] = f"{out}.padded"
+    bounds = [numpy_helper.from_array(np.array(v, np.int64), f"{out}.cut.{what}")
+              for what, v in (("starts", [0]), ("ends", [size]), ("axes", [-1]))]
+    model.graph.initializer.extend(bounds)
+    cut = onnx.helper.make_node("Slice", [node.output[0], *(b.name for b in bounds)], [out],
+                                f"{node.name}.cut")
+    model.graph.node.insert(list(model.graph.node).index(node) + 1, cut)
 
 
 def _reads(graph: onnx.GraphProto) -> set[str]:

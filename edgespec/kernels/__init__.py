@@ -13,8 +13,12 @@ import functools
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnxruntime as ort
+
+if TYPE_CHECKING:
+    import onnx
 
 HERE = Path(__file__).parent
 DOMAIN = "edgespec"  # the ops' ONNX domain
@@ -83,3 +87,16 @@ def register(opts: ort.SessionOptions) -> None:
     path = library()
     if path is not None:
         opts.register_custom_ops_library(str(path))
+
+
+def op_session(graph: onnx.GraphProto, threads: int) -> ort.InferenceSession:
+    """A CPU session over a bare graph of the kernels' ops (tests, tools/bench_kernel.py)."""
+    from onnx import helper
+
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid(DOMAIN, 1)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    register(opts)
+    return ort.InferenceSession(model.SerializeToString(), opts,
+                                providers=["CPUExecutionProvider"])
