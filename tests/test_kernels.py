@@ -42,9 +42,10 @@ def session(u, s, o, bits, threads: int = 2, half: bool = False) -> ort.Inferenc
                       u.shape[1], bits, threads)
 
 
-def session_of(codes, scales, offsets, k: int, bits: int, threads: int = 2
-               ) -> ort.InferenceSession:
-    """One op over tables already in the kernel's flat layout (float16 ones: the Half op)."""
+def session_of(codes, scales, offsets, k: int, bits: int, threads: int = 2,
+               gated: bool = False) -> ort.InferenceSession:
+    """One op over tables already in the kernel's flat layout (float16 ones: the Half op);
+    `gated`: x is [gate, up], 2K wide."""
     n, half = scales.size * 32 // k, scales.dtype == np.float16
     kind = TensorProto.FLOAT16 if half else TensorProto.FLOAT
     consts = [helper.make_tensor("codes", TensorProto.UINT8, [codes.size], codes.tobytes(),
@@ -53,9 +54,9 @@ def session_of(codes, scales, offsets, k: int, bits: int, threads: int = 2
               helper.make_tensor("offsets", kind, [offsets.size], offsets.tobytes(), raw=True)]
     node = helper.make_node("BlockQMatMulHalf" if half else "BlockQMatMul",
                             ["x", "codes", "scales", "offsets"], ["y"],
-                            domain=kernels.DOMAIN, K=k, N=n, bits=bits)
+                            domain=kernels.DOMAIN, K=k, N=n, bits=bits, gated=int(gated))
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(
-        "x", TensorProto.FLOAT, [1, "S", "K"])], [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, "S", "W"])], [helper.make_tensor_value_info(
             "y", TensorProto.FLOAT, [1, "S", n])], initializer=consts)
     return kernels.op_session(graph, threads)
 
@@ -140,3 +141,89 @@ def test_kept_rows_of_the_tables_give_those_rows_outputs(bits, half):
     got = session_of(*kept, 256, bits).run(None, {"x": x})[0]
     assert np.array_equal(got[..., :37], full[..., rows])
     assert not got[..., 37:].any()
+
+
+class Rows(ctypes.Structure):
+    """blockq.h's BlockqRows."""
+    _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("sum", ctypes.c_void_p),
+                ("isum", ctypes.c_void_p), ("M", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
+def test_activation_codes_are_numpys_on_every_path():
+    """The activations' int8 codes, scales and code sums on each path against numpy's
+    (round half to even), with exact ties (peak 127: codes are x itself), clamping and a
+    zero block."""
+    lib = ctypes.CDLL(str(kernels.library()))
+    x = np.random.default_rng(9).standard_normal((3, 96)).astype(np.float32)
+    x[0, :32] = np.arange(-16, 16) + 0.5
+    x[0, 0] = 127
+    x[1, 32:64] = 0
+    blocks = x.reshape(3, 3, 32)
+    d = np.abs(blocks).max(-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    codes = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    assert (codes[0, 0, 1:] == np.rint(x[0, 1:32])).all()  # the ties are in the oracle
+    try:
+        for path in range(kernels.path() + 1):
+            lib.blockq_limit_path(path)
+            q, got_d = np.zeros((3, 96), np.int8), np.zeros((3, 3), np.float32)
+            got_sum, isum = np.zeros_like(got_d), np.zeros((3, 3), np.int32)
+            rows = Rows(q.ctypes.data, got_d.ctypes.data, got_sum.ctypes.data,
+                        isum.ctypes.data, 3, 96)
+            lib.blockq_quantize_rows(ctypes.c_void_p(x.ctypes.data), ctypes.byref(rows))
+            assert np.array_equal(q, codes.reshape(3, 96)) and np.array_equal(got_d, d)
+            assert np.array_equal(isum, codes.sum(-1, dtype=np.int32))
+            assert np.array_equal(got_sum, d * isum.astype(np.float32))
+    finally:
+        lib.blockq_limit_path(-1)
+
+
+def silu_mul(x: np.ndarray) -> np.ndarray:
+    """numpy's silu(gate) * up in float64, x = [gate, up] on the last axis."""
+    gate, up = np.split(x.astype(np.float64), 2, axis=-1)
+    return gate / (1 + np.exp(-gate)) * up
+
+
+def test_gated_activation_is_silu_times_up_on_every_path():
+    """blockq_silu_mul (the gated op's input) against numpy's float64 silu · up, within a
+    few float32 roundings, over the whole range (large |gate| saturates, no inf or NaN),
+    and bitwise the same on every path."""
+    lib = ctypes.CDLL(str(kernels.library()))
+    gate = np.concatenate([np.linspace(-120, 120, 2048), np.random.default_rng(10)
+                           .standard_normal(2048) * 4]).astype(np.float32)
+    up = np.random.default_rng(11).standard_normal(gate.size).astype(np.float32)
+    x = np.concatenate([gate.reshape(8, -1), up.reshape(8, -1)], axis=1)  # [8, 2 * 512]
+    want = silu_mul(x)
+    got = {}
+    try:
+        for path in range(kernels.path() + 1):
+            lib.blockq_limit_path(path)
+            out = np.zeros((8, 512), np.float32)
+            lib.blockq_silu_mul(ctypes.c_void_p(x.ctypes.data), ctypes.c_int64(8),
+                                ctypes.c_int64(512), ctypes.c_void_p(out.ctypes.data))
+            got[path] = out
+    finally:
+        lib.blockq_limit_path(-1)
+    assert np.isfinite(got[0]).all()
+    assert (np.abs(got[0] - want) <= 4e-7 * np.abs(want) + 1e-35).all()  # gate < -87: ~0
+    for out in got.values():
+        assert np.array_equal(out, got[0])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gated_product_is_the_dequantized_one_and_row_invariant(bits):
+    """The gated op = the product of the dequantized weight and the int8-quantized
+    silu(gate) · up (numpy's), and every row is bitwise its one-row result."""
+    u, s, o, w = weights(64, 256, bits, seed=12)
+    x = (np.random.default_rng(13).standard_normal((1, 9, 512)) * 3).astype(np.float32)
+    dtype = np.float16
+    run = session_of(tiled_codes(u, bits), tiled(s).astype(dtype), tiled(o).astype(dtype),
+                     256, bits, gated=True)
+    y = run.run(None, {"x": x})[0]
+    act = silu_mul(x[0]).astype(np.float32)
+    exact = quantized(act) @ w.T
+    # an activation a rounding away from numpy's may quantize to the neighbouring code
+    assert np.abs(y[0] - exact).max() < 1e-3 * np.abs(exact).max()
+    assert np.abs(y[0] - act @ w.T).max() < 0.02 * np.abs(exact).max()
+    alone = np.concatenate([run.run(None, {"x": x[:, i:i + 1]})[0] for i in range(9)], 1)
+    assert np.array_equal(y, alone)

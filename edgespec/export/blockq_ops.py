@@ -155,11 +155,13 @@ def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, 
             g.once(f"{store}.tiled_offsets", offsets), half)
 
 
-def linear(g: GraphBuilder, x: str, q: QuantizedWeight, name: str, store: str) -> str:
-    """y = x @ wᵀ on the own kernel."""
+def linear(g: GraphBuilder, x: str, q: QuantizedWeight, name: str, store: str,
+           gated: bool = False) -> str:
+    """y = x @ wᵀ on the own kernel; `gated`: x is [gate, up] and y = (silu(gate)·up) @ wᵀ."""
     codes, scales, offsets, half = _tables(g, q, store)
     return g.node("BlockQMatMulHalf" if half else "BlockQMatMul", [x, codes, scales, offsets],
-                  [f"{name}.out"], name, domain=DOMAIN, K=q.k, N=q.n, bits=q.bits)[0]
+                  [f"{name}.out"], name, domain=DOMAIN, K=q.k, N=q.n, bits=q.bits,
+                  **({"gated": 1} if gated else {}))[0]
 
 
 def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> str:

@@ -14,31 +14,76 @@
 #define GROUPS 8 /* groups of 4 inputs in a block of 32 */
 #define LANES 16 /* columns in a tile */
 
-void blockq_quantize_rows(const float *x, BlockqRows *rows) {
+/* Per row and block: d = peak / 127, and the factor taking x to codes (0 for a zero block). */
+static float to_codes(float peak, float *d) {
+    *d = peak / 127.0f;
+    return *d != 0.0f ? 1.0f / *d : 0.0f;
+}
+
+static void store_block(BlockqRows *rows, int64_t at, float d, int32_t sum) {
+    rows->d[at] = d;
+    rows->sum[at] = d * (float)sum;
+    rows->isum[at] = sum;
+}
+
+/* Round to nearest even by the 1.5 * 2^23 trick (exact for |r| <= 2^22; r is clamped to
+ * 127 first): what the SIMD paths' rounding instructions do, with no libm call. */
+static void quantize_portable(const float *x, BlockqRows *rows) {
     const int64_t K = rows->K, nb = K / 32;
     for (int64_t m = 0; m < rows->M; ++m) {
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
             int8_t *q = rows->q + m * K + b * 32;
-            float peak = 0.0f;
+            float peak = 0.0f, d;
             for (int i = 0; i < 32; ++i) {
                 const float a = fabsf(v[i]);
                 peak = a > peak ? a : peak;
             }
-            const float d = peak / 127.0f;
-            const float inv = d != 0.0f ? 1.0f / d : 0.0f;
+            const float inv = to_codes(peak, &d);
             int32_t sum = 0;
             for (int i = 0; i < 32; ++i) {
-                float r = nearbyintf(v[i] * inv);
+                float r = v[i] * inv;
                 r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-                q[i] = (int8_t)r;
+                q[i] = (int8_t)((r + 12582912.0f) - 12582912.0f);
                 sum += q[i];
             }
-            rows->d[m * nb + b] = d;
-            rows->sum[m * nb + b] = d * (float)sum;
-            rows->isum[m * nb + b] = sum;
+            store_block(rows, m * nb + b, d, sum);
         }
     }
+}
+
+/* exp(x) for x clamped to [-87, 88] (never inf, never subnormal): n = round(x / ln 2),
+ * r = x - n ln 2 in two parts, Cephes' degree-6 polynomial for e^r, times 2^n from the
+ * exponent bits. Each path runs these very operations (fma for fma), so all agree. */
+#define EXP_LO -87.0f
+#define EXP_HI 88.0f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define ROUNDER 12582912.0f /* 1.5 * 2^23 */
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static float exp_portable(float x) {
+    x = x < EXP_LO ? EXP_LO : (x > EXP_HI ? EXP_HI : x);
+    const float n = (x * LOG2E + ROUNDER) - ROUNDER;
+    float r = fmaf(n, -LN2_HI, x);
+    r = fmaf(n, -LN2_LO, r);
+    float p = EXP_POLY[0];
+    for (int i = 1; i < 6; ++i) p = fmaf(p, r, EXP_POLY[i]);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) * (1 << 23);
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+static void silu_mul_portable(const float *x, int64_t M, int64_t K, float *out) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) {
+            const float g = x[m * 2 * K + k];
+            out[m * K + k] = g / (1.0f + exp_portable(0.0f - g)) * x[m * 2 * K + K + k];
+        }
 }
 
 /* The code of column lane c (0..15), input j (0..3) of group g of a tile's block. */
@@ -269,6 +314,122 @@ AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float 
     }
 }
 
+/* The portable quantizer's results with vector instructions: max, multiply, clamp and
+ * round to nearest even are exact, so every path gives the same codes. */
+VNNI static void quantize_vnni(const float *x, BlockqRows *rows) {
+    const int64_t K = rows->K, nb = K / 32;
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (int64_t m = 0; m < rows->M; ++m) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const float *v = x + m * K + b * 32;
+            const __m512 a[2] = {_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)};
+            __m512 peak = _mm512_setzero_ps();
+            for (int i = 0; i < 2; ++i) peak = _mm512_max_ps(_mm512_abs_ps(a[i]), peak);
+            float d;
+            const __m512 inv = _mm512_set1_ps(to_codes(_mm512_reduce_max_ps(peak), &d));
+            __m512i sum = _mm512_setzero_si512();
+            for (int i = 0; i < 2; ++i) {
+                const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a[i], inv), lo), hi);
+                const __m512i c = _mm512_cvtps_epi32(
+                    _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                _mm_storeu_si128((__m128i *)(rows->q + m * K + b * 32 + i * 16),
+                                 _mm512_cvtepi32_epi8(c));
+                sum = _mm512_add_epi32(sum, c);
+            }
+            store_block(rows, m * nb + b, d, _mm512_reduce_add_epi32(sum));
+        }
+    }
+}
+
+AVX2 static void quantize_avx2(const float *x, BlockqRows *rows) {
+    const int64_t K = rows->K, nb = K / 32;
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t m = 0; m < rows->M; ++m) {
+        for (int64_t b = 0; b < nb; ++b) {
+            const float *v = x + m * K + b * 32;
+            __m256 a[4], peak = _mm256_setzero_ps();
+            for (int i = 0; i < 4; ++i) {
+                a[i] = _mm256_loadu_ps(v + 8 * i);
+                peak = _mm256_max_ps(_mm256_and_ps(a[i], magnitude), peak);
+            }
+            __m128 p = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+            p = _mm_max_ps(p, _mm_movehl_ps(p, p));
+            p = _mm_max_ss(p, _mm_shuffle_ps(p, p, 1));
+            float d;
+            const __m256 inv = _mm256_set1_ps(to_codes(_mm_cvtss_f32(p), &d));
+            __m256i c[4], sum = _mm256_setzero_si256();
+            for (int i = 0; i < 4; ++i) {
+                const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(a[i], inv), lo), hi);
+                c[i] = _mm256_cvtps_epi32(
+                    _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                sum = _mm256_add_epi32(sum, c[i]);
+            }
+            /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
+                                                     _mm256_packs_epi32(c[2], c[3]));
+            _mm256_storeu_si256((__m256i *)(rows->q + m * K + b * 32),
+                                _mm256_permutevar8x32_epi32(bytes, order));
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+            store_block(rows, m * nb + b, d, _mm_cvtsi128_si32(s));
+        }
+    }
+}
+
+/* exp_portable and silu_mul_portable, 16 and 8 lanes at a time (K % 32 == 0). */
+VNNI INLINE __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
+    const __m512 rounder = _mm512_set1_ps(ROUNDER);
+    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), rounder),
+                                   rounder);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+VNNI static void silu_mul_vnni(const float *x, int64_t M, int64_t K, float *out) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; k += 16) {
+            const __m512 g = _mm512_loadu_ps(x + m * 2 * K + k);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            _mm512_storeu_ps(out + m * K + k, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)),
+                                                          _mm512_loadu_ps(x + m * 2 * K + K + k)));
+        }
+}
+
+AVX2 INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
+    const __m256 rounder = _mm256_set1_ps(ROUNDER);
+    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), rounder),
+                                   rounder);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[i]));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+AVX2 static void silu_mul_avx2(const float *x, int64_t M, int64_t K, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; k += 8) {
+            const __m256 g = _mm256_loadu_ps(x + m * 2 * K + k);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+            _mm256_storeu_ps(out + m * K + k, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
+                                                          _mm256_loadu_ps(x + m * 2 * K + K + k)));
+        }
+}
+
 static int best_path(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -292,6 +453,26 @@ int blockq_path(void) {
 }
 
 void blockq_limit_path(int path) { path_limit = path; }
+
+void blockq_quantize_rows(const float *x, BlockqRows *rows) {
+    switch (blockq_path()) {
+#if defined(__GNUC__) && defined(__x86_64__)
+    case 2: quantize_vnni(x, rows); return;
+    case 1: quantize_avx2(x, rows); return;
+#endif
+    default: quantize_portable(x, rows);
+    }
+}
+
+void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out) {
+    switch (blockq_path()) {
+#if defined(__GNUC__) && defined(__x86_64__)
+    case 2: silu_mul_vnni(x, M, K, out); return;
+    case 1: silu_mul_avx2(x, M, K, out); return;
+#endif
+    default: silu_mul_portable(x, M, K, out);
+    }
+}
 
 void blockq_columns(const BlockqRows *rows, const BlockqWeight *weight, float *y,
                     int64_t tile_begin, int64_t tile_end) {

@@ -22,7 +22,7 @@
 
 /* The version of the weight layout below; edgespec/kernels/__init__.py's LAYOUT must match,
  * so a library built from other sources is never used on this package's bundles. */
-#define BLOCKQ_LAYOUT 2
+#define BLOCKQ_LAYOUT 3
 int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes
@@ -36,6 +36,12 @@ typedef struct {
 } BlockqRows;
 
 void blockq_quantize_rows(const float *x, BlockqRows *rows);
+
+/* out[m, k] = silu(x[m, k]) * x[m, K + k] for x [M, 2K]: a gated MLP's activation, taken
+ * as the down projection reads its input (no Split, Sigmoid and Mul nodes between). The
+ * exponential is edgespec's own (Cephes' polynomial, within 2 ulp), the same operations on
+ * every path, so the result is bitwise the same on each. */
+void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out);
 
 /* A weight [N, K] in the layout above: codes, and per block scales and offsets, float or
  * (half != 0) IEEE half, where every value is one exactly (half the bytes to read). */

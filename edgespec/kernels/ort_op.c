@@ -7,6 +7,8 @@
  *   X float [..., K]; codes uint8 1-D (N*K/2 for bits 4, N*K for bits 8, layout in blockq.h);
  *   scales, offsets float 1-D (N*K/32); Y float [..., N] with X's leading dimensions.
  * BlockQMatMulHalf: the same with scales and offsets in float16 (half the bytes per step).
+ * Optional attribute gated (int64, 0 by default): X is [..., 2K], a gated MLP's gate and up
+ *   halves, and the product is taken of silu(gate) * up (blockq_silu_mul).
  * X is quantized once per call (blockq_quantize_rows), then the N/16 column tiles are split
  * into contiguous ranges run on ONNX Runtime's intra-op thread pool (blockq_columns).
  */
@@ -43,7 +45,7 @@
 
 typedef struct {
   const OrtApi *api; /* the table the runtime handed to create_kernel */
-  int64_t K, N, bits;
+  int64_t K, N, bits, gated;
   int64_t cpus;
   int half; /* scales and offsets in IEEE half (OP_NAME_HALF) */
 } BlockQKernel;
@@ -91,6 +93,12 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   if ((st = read_attr(api, info, "K", &K)) != NULL) return st;
   if ((st = read_attr(api, info, "N", &N)) != NULL) return st;
   if ((st = read_attr(api, info, "bits", &bits)) != NULL) return st;
+  int64_t gated = 0;
+  OrtStatus *absent = api->KernelInfoGetAttribute_int64(info, "gated", &gated);
+  if (absent != NULL) { /* optional */
+    api->ReleaseStatus(absent);
+    gated = 0;
+  }
   if (K <= 0 || K % 32 != 0)
     return op_error(api, ORT_INVALID_ARGUMENT, "K must be a positive multiple of 32, got %lld",
                     (long long)K);
@@ -109,6 +117,7 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   k->K = K;
   k->N = N;
   k->bits = bits;
+  k->gated = gated != 0;
   k->cpus = online_cpus();
   k->half = op == &g_op_half;
   *kernel = k;
@@ -179,6 +188,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   const BlockQKernel *k = (const BlockQKernel *)kernel;
   const OrtApi *api = k->api;
   const int64_t K = k->K, N = k->N, bits = k->bits, nb = K / 32;
+  const int64_t width = k->gated ? 2 * K : K; /* X's last dimension */
   OrtStatus *st;
 
   size_t n_inputs = 0;
@@ -206,9 +216,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     free(dims);
     return op_error(api, ORT_INVALID_ARGUMENT, "X must have at least 1 dimension (..., K)");
   }
-  if (dims[rank - 1] != K) {
-    st = op_error(api, ORT_INVALID_ARGUMENT, "X's last dimension is %lld but attribute K is %lld",
-                  (long long)dims[rank - 1], (long long)K);
+  if (dims[rank - 1] != width) {
+    st = op_error(api, ORT_INVALID_ARGUMENT, "X's last dimension is %lld, expected %lld (K = %lld%s)",
+                  (long long)dims[rank - 1], (long long)width, (long long)K,
+                  k->gated ? ", gated: 2K" : "");
     free(dims);
     return st;
   }
@@ -234,10 +245,16 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
                      (float *)malloc((size_t)(M * nb) * sizeof(float)),
                      (float *)malloc((size_t)(M * nb) * sizeof(float)),
                      (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t)), M, K};
-  if (rows.q == NULL || rows.d == NULL || rows.sum == NULL || rows.isum == NULL) {
+  float *act = k->gated ? (float *)malloc((size_t)(M * K) * sizeof(float)) : NULL;
+  if (rows.q == NULL || rows.d == NULL || rows.sum == NULL || rows.isum == NULL ||
+      (k->gated && act == NULL)) {
     st = op_error(api, ORT_FAIL, "out of memory for %lld x %lld activations", (long long)M,
                   (long long)K);
     goto done;
+  }
+  if (k->gated) {
+    blockq_silu_mul((const float *)px, M, K, act);
+    px = act;
   }
   blockq_quantize_rows((const float *)px, &rows);
 
@@ -255,6 +272,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     st = api->KernelContext_ParallelFor(ctx, columns_task, (size_t)tasks, (size_t)tasks, &job);
 
 done:
+  free(act);
   free(rows.q);
   free(rows.d);
   free(rows.sum);
