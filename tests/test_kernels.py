@@ -9,6 +9,7 @@ every row of a longer pass must equal bitwise.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 
 import numpy as np
 import onnxruntime as ort
@@ -70,6 +71,18 @@ def quantized(x: np.ndarray) -> np.ndarray:
     return (q * d.astype(np.float64)).reshape(x.shape)
 
 
+def every_path() -> Iterator[tuple[ctypes.CDLL, int]]:
+    """The library ONNX Runtime loaded, limited in turn to each kernel path this CPU runs
+    (portable C, AVX2, AVX-512 VNNI), and unlimited again afterwards."""
+    lib = ctypes.CDLL(str(kernels.library()))
+    try:
+        for path in range(kernels.path() + 1):
+            lib.blockq_limit_path(path)
+            yield lib, path
+    finally:
+        lib.blockq_limit_path(-1)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_product_is_the_dequantized_one(bits, threads):
@@ -102,19 +115,14 @@ def test_every_kernel_path_and_table_type_gives_the_same_bits(bits):
     """The portable C kernel (any CPU), the AVX2 one and the AVX-512 VNNI one give the same
     results bit for bit, for whichever of them this CPU runs (the test host: all three),
     from float32 tables and from float16 ones holding the same values."""
-    lib = ctypes.CDLL(str(kernels.library()))  # the library ONNX Runtime loaded
     u, s, o, _ = weights(64, 512, bits, seed=4)
     x = np.random.default_rng(5).standard_normal((1, 9, 512)).astype(np.float32)
     x[0, 3, :32] = 0  # a zero block
     results = {}
-    try:
-        for half in (False, True):
-            run = session(u, s, o, bits, half=half)
-            for path in range(kernels.path() + 1):
-                lib.blockq_limit_path(path)
-                results[half, path] = run.run(None, {"x": x})[0]
-    finally:
-        lib.blockq_limit_path(-1)
+    for half in (False, True):
+        run = session(u, s, o, bits, half=half)
+        for _, path in every_path():
+            results[half, path] = run.run(None, {"x": x})[0]
     for got in results.values():
         assert np.array_equal(got, results[False, 0])
 
@@ -153,7 +161,6 @@ def test_activation_codes_are_numpys_on_every_path():
     """The activations' int8 codes, scales and code sums on each path against numpy's
     (round half to even), with exact ties (peak 127: codes are x itself), clamping and a
     zero block."""
-    lib = ctypes.CDLL(str(kernels.library()))
     x = np.random.default_rng(9).standard_normal((3, 96)).astype(np.float32)
     x[0, :32] = np.arange(-16, 16) + 0.5
     x[0, 0] = 127
@@ -163,19 +170,15 @@ def test_activation_codes_are_numpys_on_every_path():
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     codes = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
     assert (codes[0, 0, 1:] == np.rint(x[0, 1:32])).all()  # the ties are in the oracle
-    try:
-        for path in range(kernels.path() + 1):
-            lib.blockq_limit_path(path)
-            q, got_d = np.zeros((3, 96), np.int8), np.zeros((3, 3), np.float32)
-            got_sum, isum = np.zeros_like(got_d), np.zeros((3, 3), np.int32)
-            rows = Rows(q.ctypes.data, got_d.ctypes.data, got_sum.ctypes.data,
-                        isum.ctypes.data, 3, 96)
-            lib.blockq_quantize_rows(ctypes.c_void_p(x.ctypes.data), ctypes.byref(rows))
-            assert np.array_equal(q, codes.reshape(3, 96)) and np.array_equal(got_d, d)
-            assert np.array_equal(isum, codes.sum(-1, dtype=np.int32))
-            assert np.array_equal(got_sum, d * isum.astype(np.float32))
-    finally:
-        lib.blockq_limit_path(-1)
+    for lib, _ in every_path():
+        q, got_d = np.zeros((3, 96), np.int8), np.zeros((3, 3), np.float32)
+        got_sum, isum = np.zeros_like(got_d), np.zeros((3, 3), np.int32)
+        rows = Rows(q.ctypes.data, got_d.ctypes.data, got_sum.ctypes.data,
+                    isum.ctypes.data, 3, 96)
+        lib.blockq_quantize_rows(ctypes.c_void_p(x.ctypes.data), ctypes.byref(rows))
+        assert np.array_equal(q, codes.reshape(3, 96)) and np.array_equal(got_d, d)
+        assert np.array_equal(isum, codes.sum(-1, dtype=np.int32))
+        assert np.array_equal(got_sum, d * isum.astype(np.float32))
 
 
 def silu_mul(x: np.ndarray) -> np.ndarray:
@@ -188,22 +191,17 @@ def test_gated_activation_is_silu_times_up_on_every_path():
     """blockq_silu_mul (the gated op's input) against numpy's float64 silu · up, within a
     few float32 roundings, over the whole range (large |gate| saturates, no inf or NaN),
     and bitwise the same on every path."""
-    lib = ctypes.CDLL(str(kernels.library()))
     gate = np.concatenate([np.linspace(-120, 120, 2048), np.random.default_rng(10)
                            .standard_normal(2048) * 4]).astype(np.float32)
     up = np.random.default_rng(11).standard_normal(gate.size).astype(np.float32)
     x = np.concatenate([gate.reshape(8, -1), up.reshape(8, -1)], axis=1)  # [8, 2 * 512]
     want = silu_mul(x)
     got = {}
-    try:
-        for path in range(kernels.path() + 1):
-            lib.blockq_limit_path(path)
-            out = np.zeros((8, 512), np.float32)
-            lib.blockq_silu_mul(ctypes.c_void_p(x.ctypes.data), ctypes.c_int64(8),
-                                ctypes.c_int64(512), ctypes.c_void_p(out.ctypes.data))
-            got[path] = out
-    finally:
-        lib.blockq_limit_path(-1)
+    for lib, path in every_path():
+        out = np.zeros((8, 512), np.float32)
+        lib.blockq_silu_mul(ctypes.c_void_p(x.ctypes.data), ctypes.c_int64(8),
+                            ctypes.c_int64(512), ctypes.c_void_p(out.ctypes.data))
+        got[path] = out
     assert np.isfinite(got[0]).all()
     assert (np.abs(got[0] - want) <= 4e-7 * np.abs(want) + 1e-35).all()  # gate < -87: ~0
     for out in got.values():

@@ -379,56 +379,38 @@ AVX2 static void quantize_avx2(const float *x, BlockqRows *rows) {
     }
 }
 
-/* exp_portable and silu_mul_portable, 16 and 8 lanes at a time (K % 32 == 0). */
-VNNI INLINE __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
-    const __m512 rounder = _mm512_set1_ps(ROUNDER);
-    const __m512 n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), rounder),
-                                   rounder);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
-    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
-    for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[i]));
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+/* exp_portable and silu_mul_portable on W-bit vectors (512: 16 lanes, 256: 8; K % 32 == 0),
+ * one source for both widths so that they stay the very same operations. */
+#define SILU_MUL_SIMD(W, ATTR)                                                                   \
+    ATTR INLINE __m##W exp_##W(__m##W x) {                                                       \
+        x = _mm##W##_min_ps(_mm##W##_max_ps(x, _mm##W##_set1_ps(EXP_LO)), _mm##W##_set1_ps(EXP_HI)); \
+        const __m##W rounder = _mm##W##_set1_ps(ROUNDER);                                        \
+        const __m##W n = _mm##W##_sub_ps(                                                        \
+            _mm##W##_add_ps(_mm##W##_mul_ps(x, _mm##W##_set1_ps(LOG2E)), rounder), rounder);     \
+        __m##W r = _mm##W##_fmadd_ps(n, _mm##W##_set1_ps(-LN2_HI), x);                           \
+        r = _mm##W##_fmadd_ps(n, _mm##W##_set1_ps(-LN2_LO), r);                                  \
+        __m##W p = _mm##W##_set1_ps(EXP_POLY[0]);                                                \
+        for (int i = 1; i < 6; ++i) p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(EXP_POLY[i])); \
+        const __m##W y = _mm##W##_add_ps(_mm##W##_fmadd_ps(p, _mm##W##_mul_ps(r, r), r),        \
+                                         _mm##W##_set1_ps(1.0f));                                \
+        const __m##W##i e = _mm##W##_slli_epi32(                                                 \
+            _mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127)), 23);          \
+        return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(e));                                  \
+    }                                                                                            \
+    ATTR static void silu_mul_##W(const float *x, int64_t M, int64_t K, float *out) {            \
+        const __m##W one = _mm##W##_set1_ps(1.0f);                                               \
+        for (int64_t m = 0; m < M; ++m)                                                          \
+            for (int64_t k = 0; k < K; k += W / 32) {                                            \
+                const __m##W g = _mm##W##_loadu_ps(x + m * 2 * K + k);                           \
+                const __m##W e = exp_##W(_mm##W##_sub_ps(_mm##W##_setzero_ps(), g));             \
+                _mm##W##_storeu_ps(out + m * K + k,                                              \
+                                   _mm##W##_mul_ps(_mm##W##_div_ps(g, _mm##W##_add_ps(one, e)),  \
+                                                   _mm##W##_loadu_ps(x + m * 2 * K + K + k)));   \
+            }                                                                                    \
+    }
 
-VNNI static void silu_mul_vnni(const float *x, int64_t M, int64_t K, float *out) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; k += 16) {
-            const __m512 g = _mm512_loadu_ps(x + m * 2 * K + k);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            _mm512_storeu_ps(out + m * K + k, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)),
-                                                          _mm512_loadu_ps(x + m * 2 * K + K + k)));
-        }
-}
-
-AVX2 INLINE __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
-    const __m256 rounder = _mm256_set1_ps(ROUNDER);
-    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), rounder),
-                                   rounder);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
-    for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[i]));
-    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-AVX2 static void silu_mul_avx2(const float *x, int64_t M, int64_t K, float *out) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; k += 8) {
-            const __m256 g = _mm256_loadu_ps(x + m * 2 * K + k);
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-            _mm256_storeu_ps(out + m * K + k, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
-                                                          _mm256_loadu_ps(x + m * 2 * K + K + k)));
-        }
-}
+SILU_MUL_SIMD(512, VNNI)
+SILU_MUL_SIMD(256, AVX2)
 
 static int best_path(void) {
     __builtin_cpu_init();
@@ -467,8 +449,8 @@ void blockq_quantize_rows(const float *x, BlockqRows *rows) {
 void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out) {
     switch (blockq_path()) {
 #if defined(__GNUC__) && defined(__x86_64__)
-    case 2: silu_mul_vnni(x, M, K, out); return;
-    case 1: silu_mul_avx2(x, M, K, out); return;
+    case 2: silu_mul_512(x, M, K, out); return;
+    case 1: silu_mul_256(x, M, K, out); return;
 #endif
     default: silu_mul_portable(x, M, K, out);
     }
