@@ -11,8 +11,10 @@ from setuptools import Extension, setup
 flags = [] if sys.platform == "win32" else ["-O3", "-ffp-contract=off", "-std=c11"]
 setup(ext_modules=[Extension(
     "edgespec.kernels._blockq",
-    sources=["edgespec/kernels/ort_op.c", "edgespec/kernels/blockq.c"],
-    depends=["edgespec/kernels/blockq.h", "edgespec/kernels/ort_abi.h"],
+    sources=["edgespec/kernels/ort_op.c", "edgespec/kernels/blockq.c",
+             "edgespec/kernels/attend.c"],
+    depends=["edgespec/kernels/blockq.h", "edgespec/kernels/ort_abi.h",
+             "edgespec/kernels/attend.h", "edgespec/kernels/simd.h"],
     extra_compile_args=flags,
     libraries=[] if sys.platform == "win32" else ["m"],
     optional=True,

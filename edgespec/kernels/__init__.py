@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 DOMAIN = "edgespec"  # the ops' ONNX domain
-LAYOUT = 3  # blockq.h's layout and ops: cached exports are made anew when it changes
+LAYOUT = 4  # blockq.h's layout and ops: cached exports are made anew when it changes
 
 
 def _candidates() -> list[Path]:

@@ -7,9 +7,8 @@
  * Build with -ffp-contract=off so the compiler fuses nothing the other kernels do not.
  */
 #include "blockq.h"
+#include "simd.h"
 
-#include <math.h>
-#include <string.h>
 
 #define GROUPS 8 /* groups of 4 inputs in a block of 32 */
 #define LANES 16 /* columns in a tile */
@@ -50,32 +49,6 @@ static void quantize_portable(const float *x, BlockqRows *rows) {
             store_block(rows, m * nb + b, d, sum);
         }
     }
-}
-
-/* exp(x) for x clamped to [-87, 88] (never inf, never subnormal): n = round(x / ln 2),
- * r = x - n ln 2 in two parts, Cephes' degree-6 polynomial for e^r, times 2^n from the
- * exponent bits. Each path runs these very operations (fma for fma), so all agree. */
-#define EXP_LO -87.0f
-#define EXP_HI 88.0f
-#define LOG2E 1.44269504088896341f
-#define LN2_HI 0.693359375f
-#define LN2_LO -2.12194440e-4f
-#define ROUNDER 12582912.0f /* 1.5 * 2^23 */
-static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
-
-static float exp_portable(float x) {
-    x = x < EXP_LO ? EXP_LO : (x > EXP_HI ? EXP_HI : x);
-    const float n = (x * LOG2E + ROUNDER) - ROUNDER;
-    float r = fmaf(n, -LN2_HI, x);
-    r = fmaf(n, -LN2_LO, r);
-    float p = EXP_POLY[0];
-    for (int i = 1; i < 6; ++i) p = fmaf(p, r, EXP_POLY[i]);
-    const float y = fmaf(p, r * r, r) + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) * (1 << 23);
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return y * scale;
 }
 
 static void silu_mul_portable(const float *x, int64_t M, int64_t K, float *out) {
@@ -140,11 +113,7 @@ static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *
     }
 }
 
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
-#define AVX2 __attribute__((target("avx2,fma,f16c")))
-#define INLINE static inline __attribute__((always_inline))
+#ifdef EDGESPEC_X86
 #define MAX_ROWS 6
 
 static int32_t four_codes(const BlockqRows *x, int64_t m, int64_t b, int g) {
@@ -379,24 +348,9 @@ AVX2 static void quantize_avx2(const float *x, BlockqRows *rows) {
     }
 }
 
-/* exp_portable and silu_mul_portable on W-bit vectors (512: 16 lanes, 256: 8; K % 32 == 0),
+/* silu_mul_portable on W-bit vectors (512: 16 lanes, 256: 8; K % 32 == 0),
  * one source for both widths so that they stay the very same operations. */
 #define SILU_MUL_SIMD(W, ATTR)                                                                   \
-    ATTR INLINE __m##W exp_##W(__m##W x) {                                                       \
-        x = _mm##W##_min_ps(_mm##W##_max_ps(x, _mm##W##_set1_ps(EXP_LO)), _mm##W##_set1_ps(EXP_HI)); \
-        const __m##W rounder = _mm##W##_set1_ps(ROUNDER);                                        \
-        const __m##W n = _mm##W##_sub_ps(                                                        \
-            _mm##W##_add_ps(_mm##W##_mul_ps(x, _mm##W##_set1_ps(LOG2E)), rounder), rounder);     \
-        __m##W r = _mm##W##_fmadd_ps(n, _mm##W##_set1_ps(-LN2_HI), x);                           \
-        r = _mm##W##_fmadd_ps(n, _mm##W##_set1_ps(-LN2_LO), r);                                  \
-        __m##W p = _mm##W##_set1_ps(EXP_POLY[0]);                                                \
-        for (int i = 1; i < 6; ++i) p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(EXP_POLY[i])); \
-        const __m##W y = _mm##W##_add_ps(_mm##W##_fmadd_ps(p, _mm##W##_mul_ps(r, r), r),        \
-                                         _mm##W##_set1_ps(1.0f));                                \
-        const __m##W##i e = _mm##W##_slli_epi32(                                                 \
-            _mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127)), 23);          \
-        return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(e));                                  \
-    }                                                                                            \
     ATTR static void silu_mul_##W(const float *x, int64_t M, int64_t K, float *out) {            \
         const __m##W one = _mm##W##_set1_ps(1.0f);                                               \
         for (int64_t m = 0; m < M; ++m)                                                          \
@@ -409,6 +363,8 @@ AVX2 static void quantize_avx2(const float *x, BlockqRows *rows) {
             }                                                                                    \
     }
 
+EXP_SIMD(512, VNNI)
+EXP_SIMD(256, AVX2)
 SILU_MUL_SIMD(512, VNNI)
 SILU_MUL_SIMD(256, AVX2)
 
@@ -438,7 +394,7 @@ void blockq_limit_path(int path) { path_limit = path; }
 
 void blockq_quantize_rows(const float *x, BlockqRows *rows) {
     switch (blockq_path()) {
-#if defined(__GNUC__) && defined(__x86_64__)
+#ifdef EDGESPEC_X86
     case 2: quantize_vnni(x, rows); return;
     case 1: quantize_avx2(x, rows); return;
 #endif
@@ -448,7 +404,7 @@ void blockq_quantize_rows(const float *x, BlockqRows *rows) {
 
 void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out) {
     switch (blockq_path()) {
-#if defined(__GNUC__) && defined(__x86_64__)
+#ifdef EDGESPEC_X86
     case 2: silu_mul_512(x, M, K, out); return;
     case 1: silu_mul_256(x, M, K, out); return;
 #endif
@@ -459,7 +415,7 @@ void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out) {
 void blockq_columns(const BlockqRows *rows, const BlockqWeight *weight, float *y,
                     int64_t tile_begin, int64_t tile_end) {
     switch (blockq_path()) {
-#if defined(__GNUC__) && defined(__x86_64__)
+#ifdef EDGESPEC_X86
     case 2: columns_vnni(rows, weight, y, tile_begin, tile_end); return;
     case 1: columns_avx2(rows, weight, y, tile_begin, tile_end); return;
 #endif

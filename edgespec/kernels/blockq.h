@@ -22,7 +22,7 @@
 
 /* The version of the weight layout below; edgespec/kernels/__init__.py's LAYOUT must match,
  * so a library built from other sources is never used on this package's bundles. */
-#define BLOCKQ_LAYOUT 3
+#define BLOCKQ_LAYOUT 4
 int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes

@@ -45,6 +45,7 @@ typedef enum ONNXTensorElementDataType {
   ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED = 0,
   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1,
   ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 = 2,
+  ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 = 7,
   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 = 10,
 } ONNXTensorElementDataType;
 
@@ -96,7 +97,9 @@ struct OrtApi {
   ORT_ABI_PAD(63, 64);
   /* 65 */ OrtStatus *(ORT_API_CALL *GetTensorTypeAndShape)(const OrtValue *value,
                                                              OrtTensorTypeAndShapeInfo **out);
-  ORT_ABI_PAD(66, 85);
+  ORT_ABI_PAD(66, 84);
+  /* 85 */ OrtStatus *(ORT_API_CALL *KernelInfoGetAttribute_float)(const OrtKernelInfo *info,
+                                                                    const char *name, float *out);
   /* 86 */ OrtStatus *(ORT_API_CALL *KernelInfoGetAttribute_int64)(const OrtKernelInfo *info,
                                                                     const char *name,
                                                                     int64_t *out);
@@ -181,6 +184,7 @@ ORT_ABI_SLOT(GetTensorMutableData, 51);
 ORT_ABI_SLOT(GetDimensionsCount, 61);
 ORT_ABI_SLOT(GetDimensions, 62);
 ORT_ABI_SLOT(GetTensorTypeAndShape, 65);
+ORT_ABI_SLOT(KernelInfoGetAttribute_float, 85);
 ORT_ABI_SLOT(KernelInfoGetAttribute_int64, 86);
 ORT_ABI_SLOT(KernelContext_GetInputCount, 88);
 ORT_ABI_SLOT(KernelContext_GetOutputCount, 89);

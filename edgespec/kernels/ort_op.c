@@ -1,4 +1,5 @@
-/* ort_op.c: ONNX Runtime custom-op library with edgespec.BlockQMatMul and BlockQMatMulHalf (CPU).
+/* ort_op.c: ONNX Runtime custom-op library with edgespec.BlockQMatMul, BlockQMatMulHalf and
+ * Attention (CPU).
  *
  * Load with onnxruntime.SessionOptions().register_custom_ops_library(path); the runtime then
  * calls RegisterCustomOps below. Only the C ABI slice declared in ort_abi.h is used.
@@ -17,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attend.h"
 #include "blockq.h"
 #include "ort_abi.h"
 
@@ -50,15 +52,18 @@ typedef struct {
   int half; /* scales and offsets in IEEE half (OP_NAME_HALF) */
 } BlockQKernel;
 
-static OrtStatus *op_error(const OrtApi *api, OrtErrorCode code, const char *fmt, ...) {
+static OrtStatus *error_in(const char *op, const OrtApi *api, OrtErrorCode code,
+                           const char *fmt, ...) {
   char msg[512];
-  int used = snprintf(msg, sizeof msg, OP_NAME ": ");
+  int used = snprintf(msg, sizeof msg, "%s: ", op);
   va_list ap;
   va_start(ap, fmt);
   vsnprintf(msg + used, sizeof msg - (size_t)used, fmt, ap);
   va_end(ap);
   return api->CreateStatus(code, msg);
 }
+
+#define op_error(api, code, ...) error_in(OP_NAME, api, code, __VA_ARGS__)
 
 static int64_t online_cpus(void) {
 #ifdef _WIN32
@@ -73,15 +78,17 @@ static int64_t online_cpus(void) {
 
 /* ---- kernel creation: read and check the attributes ---- */
 
-static OrtStatus *read_attr(const OrtApi *api, const OrtKernelInfo *info, const char *name,
-                            int64_t *out) {
+static OrtStatus *read_attr_of(const char *op, const OrtApi *api, const OrtKernelInfo *info,
+                               const char *name, int64_t *out) {
   OrtStatus *st = api->KernelInfoGetAttribute_int64(info, name, out);
   if (st == NULL) return NULL;
-  OrtStatus *err = op_error(api, ORT_INVALID_ARGUMENT, "needs an int64 attribute '%s' (%s)",
+  OrtStatus *err = error_in(op, api, ORT_INVALID_ARGUMENT, "needs an int64 attribute '%s' (%s)",
                             name, api->GetErrorMessage(st));
   api->ReleaseStatus(st);
   return err;
 }
+
+#define read_attr(api, info, name, out) read_attr_of(OP_NAME, api, info, name, out)
 
 static const OrtCustomOp g_op_half;
 
@@ -341,6 +348,247 @@ static int ORT_API_CALL op_one(const OrtCustomOp *op) {
 static const OrtCustomOp g_op = BLOCKQ_OP;
 static const OrtCustomOp g_op_half = BLOCKQ_OP;
 
+/* ---- Attention ---- */
+
+#define ATTEND_NAME "Attention"
+#define attend_error(api, code, ...) error_in(ATTEND_NAME, api, code, __VA_ARGS__)
+
+typedef struct {
+  const OrtApi *api;
+  int64_t H, Hk, cpus;
+  float scale, softcap;
+} AttendKernel;
+
+static OrtStatus *ORT_API_CALL attend_create(const OrtCustomOp *op, const OrtApi *api,
+                                             const OrtKernelInfo *info, void **kernel) {
+  (void)op;
+  *kernel = NULL;
+  int64_t H, Hk;
+  float scale, softcap = 0.0f;
+  OrtStatus *st;
+  if ((st = read_attr_of(ATTEND_NAME, api, info, "num_heads", &H)) != NULL) return st;
+  if ((st = read_attr_of(ATTEND_NAME, api, info, "kv_num_heads", &Hk)) != NULL) return st;
+  if ((st = api->KernelInfoGetAttribute_float(info, "scale", &scale)) != NULL) {
+    api->ReleaseStatus(st);
+    return attend_error(api, ORT_INVALID_ARGUMENT, "needs a float attribute 'scale'");
+  }
+  if ((st = api->KernelInfoGetAttribute_float(info, "softcap", &softcap)) != NULL) {
+    api->ReleaseStatus(st); /* optional */
+    softcap = 0.0f;
+  }
+  if (H <= 0 || Hk <= 0 || H % Hk != 0)
+    return attend_error(api, ORT_INVALID_ARGUMENT,
+                        "num_heads (%lld) must be a positive multiple of kv_num_heads (%lld)",
+                        (long long)H, (long long)Hk);
+  AttendKernel *k = (AttendKernel *)malloc(sizeof *k);
+  if (k == NULL) return attend_error(api, ORT_FAIL, "out of memory");
+  *k = (AttendKernel){api, H, Hk, online_cpus(), scale, softcap};
+  *kernel = k;
+  return NULL;
+}
+
+/* The shape of v, checked to have `rank` dimensions; *dims freed by the caller. */
+static OrtStatus *shape_of(const OrtApi *api, const OrtValue *v, const char *what, size_t rank,
+                           int64_t **dims) {
+  size_t got;
+  OrtStatus *st = get_shape(api, v, dims, &got);
+  if (st == NULL && got != rank)
+    st = attend_error(api, ORT_INVALID_ARGUMENT, "%s must have %zu dimensions, got %zu", what,
+                      rank, got);
+  if (st != NULL) {
+    free(*dims);
+    *dims = NULL;
+  }
+  return st;
+}
+
+typedef struct {
+  const AttendShape *shape;
+  const float *qrot, *kcache, *vcache, *bias;
+  float *out;
+  int32_t *idx;
+  float *e;
+  int64_t units, tasks, scratch;
+} AttendJob;
+
+static void attend_task(void *user_data, size_t i) {
+  const AttendJob *j = (const AttendJob *)user_data;
+  attend_rows(j->shape, j->qrot, j->kcache, j->vcache, j->bias, j->out,
+              j->units * (int64_t)i / j->tasks, j->units * ((int64_t)i + 1) / j->tasks,
+              j->idx + (int64_t)i * j->scratch, j->e + (int64_t)i * j->scratch);
+}
+
+enum { A_Q, A_K, A_V, A_PAST_K, A_PAST_V, A_COS, A_SIN, A_POS, A_BIAS, A_INPUTS };
+
+static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ctx) {
+  const AttendKernel *k = (const AttendKernel *)kernel;
+  const OrtApi *api = k->api;
+  const int64_t H = k->H, Hk = k->Hk;
+  const OrtValue *in[A_INPUTS];
+  OrtStatus *st;
+  for (size_t i = 0; i < A_INPUTS; i++) {
+    in[i] = NULL;
+    if ((st = api->KernelContext_GetInput(ctx, i, &in[i])) != NULL) return st;
+    if (in[i] == NULL && i != A_K && i != A_V)
+      return attend_error(api, ORT_INVALID_ARGUMENT, "input %zu is missing", i);
+  }
+  const int packed = in[A_K] == NULL;
+  if (packed != (in[A_V] == NULL))
+    return attend_error(api, ORT_INVALID_ARGUMENT, "key and value come both or neither");
+
+  int64_t *q = NULL, *kd = NULL, *vd = NULL, *cache = NULL, *vcache = NULL, *cs = NULL,
+          *sn = NULL, *pos = NULL, *bias = NULL;
+  float *qrot = NULL, *e = NULL;
+  int32_t *idx = NULL;
+  AttendShape a = {0};
+  if ((st = shape_of(api, in[A_Q], "query", 3, &q)) != NULL ||
+      (st = shape_of(api, in[A_PAST_K], "past_key", 4, &cache)) != NULL ||
+      (st = shape_of(api, in[A_PAST_V], "past_value", 4, &vcache)) != NULL ||
+      (st = shape_of(api, in[A_COS], "cos_cache", 2, &cs)) != NULL ||
+      (st = shape_of(api, in[A_SIN], "sin_cache", 2, &sn)) != NULL ||
+      (st = shape_of(api, in[A_POS], "position_ids", 2, &pos)) != NULL ||
+      (st = shape_of(api, in[A_BIAS], "attention_bias", 4, &bias)) != NULL ||
+      (!packed && (st = shape_of(api, in[A_K], "key", 3, &kd)) != NULL) ||
+      (!packed && (st = shape_of(api, in[A_V], "value", 3, &vd)) != NULL))
+    goto done;
+  const int64_t S = q[1], D = cache[3], T = bias[3];
+  a = (AttendShape){S, H, Hk, D, cs[1], T - S, cache[2], k->scale, k->softcap};
+  const int64_t width = packed ? (H + 2 * Hk) * D : H * D;
+#define ATTEND_CHECK(cond, ...)                                 \
+  if (!(cond)) {                                                \
+    st = attend_error(api, ORT_INVALID_ARGUMENT, __VA_ARGS__); \
+    goto done;                                                  \
+  }
+  ATTEND_CHECK(q[0] == 1, "takes one sequence, got a batch of %lld", (long long)q[0]);
+  ATTEND_CHECK(cache[0] == 1 && cache[1] == Hk && D > 0 && D % 8 == 0,
+               "past_key must be [1, kv_num_heads=%lld, max, D] with D a multiple of 8",
+               (long long)Hk);
+  for (int i = 0; i < 4; i++)
+    ATTEND_CHECK(vcache[i] == cache[i], "past_value's shape must be past_key's");
+  ATTEND_CHECK(q[2] == width, "query's last dimension is %lld, expected %lld", (long long)q[2],
+               (long long)width);
+  ATTEND_CHECK(packed || (kd[0] == 1 && kd[1] == S && kd[2] == Hk * D && vd[0] == 1 &&
+                          vd[1] == S && vd[2] == Hk * D),
+               "key and value must be [1, S, kv_num_heads * D]");
+  ATTEND_CHECK(sn[0] == cs[0] && sn[1] == cs[1] && 2 * cs[1] <= D,
+               "cos_cache and sin_cache must be [positions, rotary half <= D/2]");
+  ATTEND_CHECK(pos[0] == 1 && pos[1] == S, "position_ids must be [1, S]");
+  ATTEND_CHECK(bias[0] == 1 && bias[1] == 1 && bias[2] == S && T >= S && T <= a.max,
+               "attention_bias must be [1, 1, S, past + S] with past + S <= the cache length");
+  const int64_t *positions;
+  void *pq, *pk = NULL, *pv = NULL, *ppk, *ppv, *pcos, *psin, *pbias, *pout, *ppresk, *ppresv;
+  if ((st = api->GetTensorMutableData((OrtValue *)in[A_Q], &pq)) != NULL ||
+      (!packed && (st = api->GetTensorMutableData((OrtValue *)in[A_K], &pk)) != NULL) ||
+      (!packed && (st = api->GetTensorMutableData((OrtValue *)in[A_V], &pv)) != NULL) ||
+      (st = api->GetTensorMutableData((OrtValue *)in[A_PAST_K], &ppk)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[A_PAST_V], &ppv)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[A_COS], &pcos)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[A_SIN], &psin)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[A_POS], (void **)&positions)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[A_BIAS], &pbias)) != NULL)
+    goto done;
+  for (int64_t s = 0; s < S; s++)
+    ATTEND_CHECK(positions[s] >= 0 && positions[s] < cs[0],
+                 "position %lld is outside the rotary tables' %lld", (long long)positions[s],
+                 (long long)cs[0]);
+#undef ATTEND_CHECK
+  int64_t out_dims[3] = {1, S, H * D};
+  OrtValue *out, *present_k, *present_v;
+  if ((st = api->KernelContext_GetOutput(ctx, 0, out_dims, 3, &out)) != NULL ||
+      (st = api->KernelContext_GetOutput(ctx, 1, cache, 4, &present_k)) != NULL ||
+      (st = api->KernelContext_GetOutput(ctx, 2, cache, 4, &present_v)) != NULL ||
+      (st = api->GetTensorMutableData(out, &pout)) != NULL ||
+      (st = api->GetTensorMutableData(present_k, &ppresk)) != NULL ||
+      (st = api->GetTensorMutableData(present_v, &ppresv)) != NULL)
+    goto done;
+  /* The runtime binds one buffer as past and present (written in place); otherwise the
+     present starts as a copy of the past. */
+  const size_t cache_bytes = (size_t)(Hk * a.max * D) * sizeof(float);
+  if (ppresk != ppk) memcpy(ppresk, ppk, cache_bytes);
+  if (ppresv != ppv) memcpy(ppresv, ppv, cache_bytes);
+  if (S == 0) goto done;
+
+  const int64_t units = S * H, scratch = T + 8;
+  int64_t tasks = units * T * D * 2 / MIN_TASK_MACS;
+  if (tasks > TASKS_PER_CPU * k->cpus) tasks = TASKS_PER_CPU * k->cpus;
+  if (tasks > units) tasks = units;
+  if (tasks < 1) tasks = 1;
+  qrot = (float *)malloc((size_t)(units * D) * sizeof(float));
+  idx = (int32_t *)malloc((size_t)(tasks * scratch) * sizeof(int32_t));
+  e = (float *)malloc((size_t)(tasks * scratch) * sizeof(float));
+  if (qrot == NULL || idx == NULL || e == NULL) {
+    st = attend_error(api, ORT_FAIL, "out of memory");
+    goto done;
+  }
+  const float *fq = (const float *)pq;
+  attend_prepare(&a, fq, q[2], packed ? fq + H * D : (const float *)pk, packed ? q[2] : Hk * D,
+                 packed ? fq + (H + Hk) * D : (const float *)pv, packed ? q[2] : Hk * D,
+                 positions, (const float *)pcos, (const float *)psin, qrot, (float *)ppresk,
+                 (float *)ppresv);
+  AttendJob job = {&a, qrot, (const float *)ppresk, (const float *)ppresv,
+                   (const float *)pbias, (float *)pout, idx, e, units, tasks, scratch};
+  if (tasks == 1)
+    attend_task(&job, 0);
+  else
+    st = api->KernelContext_ParallelFor(ctx, attend_task, (size_t)tasks, (size_t)tasks, &job);
+
+done:
+  free(q);
+  free(kd);
+  free(vd);
+  free(cache);
+  free(vcache);
+  free(cs);
+  free(sn);
+  free(pos);
+  free(bias);
+  free(qrot);
+  free(idx);
+  free(e);
+  return st;
+}
+
+static const char *ORT_API_CALL attend_name(const OrtCustomOp *op) {
+  (void)op;
+  return ATTEND_NAME;
+}
+static size_t ORT_API_CALL attend_input_count(const OrtCustomOp *op) {
+  (void)op;
+  return A_INPUTS;
+}
+static ONNXTensorElementDataType ORT_API_CALL attend_input_type(const OrtCustomOp *op,
+                                                                size_t i) {
+  (void)op;
+  return i == A_POS ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static size_t ORT_API_CALL attend_output_count(const OrtCustomOp *op) {
+  (void)op;
+  return 3;
+}
+static OrtCustomOpInputOutputCharacteristic ORT_API_CALL attend_input_required(
+    const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == A_K || i == A_V ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+}
+
+/* Attention(query, key?, value?, past_key, past_value, cos_cache, sin_cache, position_ids,
+ *           attention_bias) -> (output, present_key, present_value), attend.h's exact
+ * attention with GroupQueryAttention's inputs: query [1,S,H*D] (or q, k and v packed when
+ * key and value are omitted), the caches [1,Hk,max,D] written in place at slots past..past+S-1
+ * (past = T - S), attention_bias [1,1,S,T]. Attributes num_heads, kv_num_heads (int64), scale
+ * and the optional softcap (float). */
+static const OrtCustomOp g_attend = {
+    .version = EDGESPEC_ORT_API_VERSION, .GetName = attend_name,
+    .GetExecutionProviderType = op_provider, .GetInputType = attend_input_type,
+    .GetInputTypeCount = attend_input_count, .GetOutputType = op_output_type,
+    .GetOutputTypeCount = attend_output_count, .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = attend_input_required, .GetOutputCharacteristic = op_required,
+    .GetInputMemoryType = op_input_memory, .GetVariadicInputMinArity = op_one,
+    .GetVariadicInputHomogeneity = op_one, .GetVariadicOutputMinArity = op_one,
+    .GetVariadicOutputHomogeneity = op_one, .CreateKernelV2 = attend_create,
+    .KernelComputeV2 = attend_compute,
+};
+
 /* ---- entry point ---- */
 
 EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
@@ -364,5 +612,6 @@ EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *opt
   if (st != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_op)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_op_half)) != NULL) return st;
+  if ((st = api->CustomOpDomain_Add(domain, &g_attend)) != NULL) return st;
   return api->AddCustomOpDomain(options, domain);
 }

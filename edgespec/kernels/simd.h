@@ -1,0 +1,64 @@
+/* What blockq.c and attend.c share: the x86-64 target attributes their SIMD paths are
+ * compiled with (the library is built without global ISA flags, each path chosen at run
+ * time) and edgespec's own exp, the same operations on every path.
+ */
+#ifndef EDGESPEC_SIMD_H
+#define EDGESPEC_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#define EDGESPEC_X86 1
+#include <immintrin.h>
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+#endif
+
+/* exp(x) for x clamped to [-87, 88] (never inf, never subnormal): n = round(x / ln 2),
+ * r = x - n ln 2 in two parts, Cephes' degree-6 polynomial for e^r, times 2^n from the
+ * exponent bits. Each path runs these very operations (fma for fma), so all agree. */
+#define EXP_LO -87.0f
+#define EXP_HI 88.0f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693359375f
+#define LN2_LO -2.12194440e-4f
+#define ROUNDER 12582912.0f /* 1.5 * 2^23 */
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+static inline float exp_portable(float x) {
+    x = x < EXP_LO ? EXP_LO : (x > EXP_HI ? EXP_HI : x);
+    const float n = (x * LOG2E + ROUNDER) - ROUNDER;
+    float r = fmaf(n, -LN2_HI, x);
+    r = fmaf(n, -LN2_LO, r);
+    float p = EXP_POLY[0];
+    for (int i = 1; i < 6; ++i) p = fmaf(p, r, EXP_POLY[i]);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) * (1 << 23);
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+/* exp_portable on W-bit vectors (512: 16 lanes, 256: 8): exp_512 / exp_256. */
+#define EXP_SIMD(W, ATTR)                                                                        \
+    ATTR INLINE __m##W exp_##W(__m##W x) {                                                       \
+        x = _mm##W##_min_ps(_mm##W##_max_ps(x, _mm##W##_set1_ps(EXP_LO)), _mm##W##_set1_ps(EXP_HI)); \
+        const __m##W rounder = _mm##W##_set1_ps(ROUNDER);                                        \
+        const __m##W n = _mm##W##_sub_ps(                                                        \
+            _mm##W##_add_ps(_mm##W##_mul_ps(x, _mm##W##_set1_ps(LOG2E)), rounder), rounder);     \
+        __m##W r = _mm##W##_fmadd_ps(n, _mm##W##_set1_ps(-LN2_HI), x);                           \
+        r = _mm##W##_fmadd_ps(n, _mm##W##_set1_ps(-LN2_LO), r);                                  \
+        __m##W p = _mm##W##_set1_ps(EXP_POLY[0]);                                                \
+        for (int i = 1; i < 6; ++i) p = _mm##W##_fmadd_ps(p, r, _mm##W##_set1_ps(EXP_POLY[i])); \
+        const __m##W y = _mm##W##_add_ps(_mm##W##_fmadd_ps(p, _mm##W##_mul_ps(r, r), r),        \
+                                         _mm##W##_set1_ps(1.0f));                                \
+        const __m##W##i e = _mm##W##_slli_epi32(                                                 \
+            _mm##W##_add_epi32(_mm##W##_cvtps_epi32(n), _mm##W##_set1_epi32(127)), 23);          \
+        return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(e));                                  \
+    }
+
+#endif

@@ -1,0 +1,207 @@
+"""edgespec's own attention op (edgespec.Attention, edgespec/kernels/attend.c).
+
+Oracles: numpy's float64 attention over the same rotated keys and the same mask; the op's
+own one-token passes, which every row of a chain and every node on a branch of a token
+tree must equal bitwise; its portable C path, which the AVX2 one must equal bitwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from edgespec import kernels
+from edgespec.runtimes.decoder import NEG_INF, causal_bias
+from edgespec.spec.tree import DraftTree
+from tests.test_kernels import every_path
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library not built")
+
+H, HK, D, MAX, POSITIONS = 6, 2, 32, 64, 80
+
+
+def session(packed: bool = False, softcap: float = 0.0, threads: int = 2,
+            d: int = D) -> ort.InferenceSession:
+    f = TensorProto.FLOAT
+    names = ["q", "k", "v", "past_key", "past_value", "cos", "sin", "position_ids", "bias"]
+    shapes = {"q": [1, "S", (H + 2 * HK) * d if packed else H * d], "k": [1, "S", HK * d],
+              "v": [1, "S", HK * d], "past_key": [1, HK, MAX, d], "past_value": [1, HK, MAX, d],
+              "cos": [POSITIONS, "half"], "sin": [POSITIONS, "half"], "position_ids": [1, "S"],
+              "bias": [1, 1, "S", "T"]}
+    used = [n for n in names if not (packed and n in ("k", "v"))]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "position_ids" else f,
+                                            shapes[n]) for n in used]
+    node = helper.make_node("Attention", ["" if packed and n in ("k", "v") else n for n in names],
+                            ["out", "present_key", "present_value"], domain=kernels.DOMAIN,
+                            num_heads=H, kv_num_heads=HK, scale=d ** -0.5,
+                            **({"softcap": softcap} if softcap else {}))
+    outputs = [helper.make_tensor_value_info("out", f, [1, "S", H * d]),
+               helper.make_tensor_value_info("present_key", f, [1, HK, MAX, d]),
+               helper.make_tensor_value_info("present_value", f, [1, HK, MAX, d])]
+    return kernels.op_session(helper.make_graph([node], "g", inputs, outputs), threads)
+
+
+def tables(half: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.arange(POSITIONS)[:, None] * (10000.0 ** (-np.arange(half) / half))[None]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rotated(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x [S, heads, d] rotated half-split at positions pos (float64)."""
+    half = cos.shape[1]
+    c, s = cos[pos][:, None].astype(np.float64), sin[pos][:, None].astype(np.float64)
+    x1, x2 = x[..., :half].astype(np.float64), x[..., half:2 * half].astype(np.float64)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * half:]], -1)
+
+
+class Stream:
+    """Random queries, keys and values for a sequence, and the op fed them in passes."""
+
+    def __init__(self, n: int, seed: int = 0, half: int = D // 2, d: int = D):
+        rng = np.random.default_rng(seed)
+        self.d = d
+        self.q = rng.standard_normal((n, H, d)).astype(np.float32)
+        self.k = rng.standard_normal((n, HK, d)).astype(np.float32)
+        self.v = rng.standard_normal((n, HK, d)).astype(np.float32)
+        self.cos, self.sin = tables(half)
+        self.cache = [np.zeros((1, HK, MAX, d), np.float32) for _ in range(2)]
+        self.past = 0
+
+    def feed(self, run: ort.InferenceSession, tokens: list[int], positions: list[int],
+             bias: np.ndarray, packed: bool = False) -> np.ndarray:
+        """Tokens (indices into the stream) at `positions`; returns out [S, H, d] and
+        appends their keys and values to the cache at slots past..past+S-1."""
+        s = len(tokens)
+        q, k, v = (a[tokens].reshape(1, s, -1) for a in (self.q, self.k, self.v))
+        feeds = {"past_key": self.cache[0], "past_value": self.cache[1], "cos": self.cos,
+                 "sin": self.sin, "position_ids": np.array([positions], np.int64), "bias": bias}
+        if packed:
+            feeds["q"] = np.concatenate([q, k, v], -1)
+        else:
+            feeds.update(q=q, k=k, v=v)
+        out, *self.cache = run.run(None, feeds)
+        self.past += s
+        return out.reshape(s, H, self.d)
+
+
+def reference(st: Stream, order: list[int], positions: list[int], bias: np.ndarray,
+              softcap: float = 0.0) -> np.ndarray:
+    """float64 attention of the last len(bias rows) of `order` over all of `order`'s keys."""
+    s = bias.shape[2]
+    pos = np.array(positions)
+    keys = rotated(st.k[order], pos, st.cos, st.sin)
+    queries = rotated(st.q[order[-s:]], pos[-s:], st.cos, st.sin)
+    values = st.v[order].astype(np.float64)
+    group = H // HK
+    out = np.zeros((s, H, st.d))
+    for h in range(H):
+        scores = queries[:, h] @ keys[:, h // group].T * st.d ** -0.5
+        if softcap:
+            scores = softcap * np.tanh(scores / softcap)
+        scores = scores + np.where(bias[0, 0] <= -1e30, -np.inf, bias[0, 0])
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out[:, h] = (p / p.sum(-1, keepdims=True)) @ values[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_attention_is_numpys(packed, softcap):
+    run = session(packed, softcap)
+    st = Stream(20, half=D // 4)  # partial rotary: half the dimensions turn
+    out = st.feed(run, list(range(12)), list(range(12)), causal_bias(0, 12), packed)
+    assert np.abs(out - reference(st, list(range(12)), list(range(12)), causal_bias(0, 12),
+                                  softcap)).max() < 1e-5
+    bias = causal_bias(12, 8)
+    bias[0, 0, 5:, :3] = NEG_INF  # a window closing the oldest keys for the last rows
+    out = st.feed(run, list(range(12, 20)), list(range(12, 20)), bias, packed)
+    assert np.abs(out - reference(st, list(range(20)), list(range(20)), bias, softcap)
+                  ).max() < 1e-5
+    # the caches hold the rotated keys and the values at their slots
+    keys = rotated(st.k[:20], np.arange(20), st.cos, st.sin)
+    assert np.abs(st.cache[0][0, :, :20].transpose(1, 0, 2) - keys).max() < 1e-6
+    assert np.array_equal(st.cache[1][0, :, :20].transpose(1, 0, 2), st.v[:20])
+
+
+def decoy_tree(depth: int) -> tuple[DraftTree, list[int]]:
+    """A tree whose path root -> 1 -> 2 -> ... has a decoy sibling before every node."""
+    tree, parent, path = DraftTree(), -1, []
+    for t in range(1, depth + 1):
+        tree.add(100 + t, parent, 0.0)
+        parent = tree.add(t, parent, 0.0)
+        path.append(parent)
+    return tree, path
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_token_attends_the_same_alone_in_a_chain_and_on_a_tree_branch(threads):
+    """Bitwise: tokens 10..26 after a 10-token prefix, fed one at a time, in chains of 5
+    and 17, and as the path of a tree whose decoy siblings sit between the path's nodes."""
+    run = session(threads=threads)
+    prefix = list(range(10))
+
+    def after_prefix() -> Stream:
+        st = Stream(60, seed=1)
+        st.feed(run, prefix, prefix, causal_bias(0, 10))
+        return st
+    st = after_prefix()
+    alone = np.stack([st.feed(run, [t], [t], causal_bias(t, 1))[0] for t in range(10, 27)])
+    for size in (5, 17):
+        st = after_prefix()
+        chain = st.feed(run, list(range(10, 10 + size)), list(range(10, 10 + size)),
+                        causal_bias(10, size))
+        assert np.array_equal(chain, alone[:size])
+    tree, path = decoy_tree(8)
+    ids, positions, bias = tree.verify_inputs(0, 10)
+    # node i is stream token ids[i] - 100 + 40 for decoys, the path's nodes are tokens 11..18
+    order = [10] + [10 + t if t < 100 else 40 + t - 100 for t in ids[1:]]
+    st = after_prefix()
+    out = st.feed(run, order, positions.tolist(), bias)
+    assert np.array_equal(out[[0, *(1 + n for n in path)]], alone[:9])
+
+
+def test_every_path_gives_the_same_bits():
+    st0 = Stream(30, seed=2)
+    bias = causal_bias(0, 30)
+    bias[0, 0, 20:, 2:9] = NEG_INF
+    results = []
+    for _, _path in every_path():
+        st = Stream(30, seed=2)
+        results.append(st.feed(session(), list(range(30)), list(range(30)), bias))
+    assert len(results) == kernels.path() + 1
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
+    assert np.abs(results[0] - reference(st0, list(range(30)), list(range(30)), bias)
+                  ).max() < 1e-5
+
+
+def test_the_cache_is_written_in_place_when_bound_as_past_and_present():
+    run = session()
+    st = Stream(8, seed=3)
+    key, value = (np.zeros((1, HK, MAX, D), np.float32) for _ in range(2))
+    binding = run.io_binding()
+    for name, array in (("past_key", key), ("past_value", value)):
+        value_ = ort.OrtValue.ortvalue_from_numpy(array)
+        binding.bind_ortvalue_input(name, value_)
+        binding.bind_ortvalue_output(name.replace("past", "present"), value_)
+    s = 8
+    for name, array in (("q", st.q.reshape(1, s, -1)), ("k", st.k.reshape(1, s, -1)),
+                        ("v", st.v.reshape(1, s, -1)), ("cos", st.cos), ("sin", st.sin),
+                        ("position_ids", np.arange(s)[None]), ("bias", causal_bias(0, s))):
+        binding.bind_cpu_input(name, np.ascontiguousarray(array))
+    binding.bind_output("out")
+    run.run_with_iobinding(binding)
+    assert np.array_equal(value[0, :, :s].transpose(1, 0, 2), st.v)
+    assert not value[0, :, s:].any()
+    keys = rotated(st.k, np.arange(s), st.cos, st.sin)
+    assert np.abs(key[0, :, :s].transpose(1, 0, 2) - keys).max() < 1e-6
+
+
+def test_bad_shapes_are_refused_with_the_reason():
+    st = Stream(4)
+    with pytest.raises(Exception, match="attention_bias must be"):
+        st.feed(session(), [0, 1], [0, 1], causal_bias(0, 3))
+    with pytest.raises(Exception, match="position 90 is outside"):
+        st.feed(session(), [0], [90], causal_bias(0, 1))
