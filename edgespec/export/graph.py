@@ -119,6 +119,7 @@ class GraphBuilder:
         self.two_rows = False  # passes have two rows at least (exact_rows)
         self.pad_attention = False  # only attention's passes do (every linear exact at one)
         self.own_kernel = False  # block-of-32 codes on edgespec's kernel (blockq_ops)
+        self.own_attention = False  # edgespec's attention op instead of GQA (gqa)
         self._six: list[tuple[str, np.ndarray]] = []
 
     def const(self, name: str, array: np.ndarray) -> str:
@@ -514,6 +515,9 @@ def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seql
         total: str, rope: list[str], bias: str,
         kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> str:
     """GroupQueryAttention: RoPE inside, KV written in place into the shared buffer.
+    Or, on graphs with `own_attention` and a float cache, edgespec's own attention op with
+    the same inputs (edgespec/kernels/attend.h): exact at one row, and a tree node's output
+    bitwise what the same token gives in a chain.
     Sliding windows are in `bias` (see window_bias), not GQA's slot-based window.
     `kv_scales` (per kv head and channel, [kv_heads, 1, head_dim]) make the cache int8
     codes: GQA quantizes the rotated K and V it writes and dequantizes what it reads."""
@@ -533,6 +537,14 @@ def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seql
     if g.two_rows or g.pad_attention:  # the stream's rows, or attention's: see exact_rows
         positions, bias = exact_rows.padded_positions(g), exact_rows.padded_bias(g, bias)
         seqlens_k, total = exact_rows.padded_lengths(g, seqlens_k, total)
+    if g.own_attention:
+        return g.node("Attention", [*qkv, f"past_key_{i}", f"past_value_{i}", *rope,
+                                    positions, bias],
+                      [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
+                      domain=kernels.DOMAIN, num_heads=spec.num_heads,
+                      kv_num_heads=spec.num_kv_heads,
+                      scale=float(spec.attn_scale or spec.head_dim ** -0.5),
+                      **({"softcap": float(spec.attn_softcap)} if spec.attn_softcap else {}))[0]
     if g.pad_attention:
         qkv = [exact_rows.two_rows(g, t) if t else t for t in qkv]
     attn = g.node("GroupQueryAttention",
@@ -638,7 +650,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                   fusion: Weight | None = None,
                   rotation: Rotated | None = None,
                   hessians: dict[str, np.ndarray] | None = None,
-                  last_logits: bool = False, own_kernel: bool | None = None) -> onnx.ModelProto:
+                  last_logits: bool = False, own_kernel: bool | None = None,
+                  own_attention: bool | None = None) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
     Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
@@ -666,7 +679,10 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     and stay bitwise what a full pass gives.
     `own_kernel` runs block-of-32 4/8-bit codes on edgespec's CPU kernel (blockq_ops);
     None: on the cpu profile with int8 activations (accuracy_level 4) where this
-    installation has the library (kernels.for_export).
+    installation has the library (kernels.for_export). `own_attention` puts attention on
+    its attention op (gqa); None: on the cpu profile with a float cache where the library
+    is there. Its graphs say so in their metadata (kernels.EXACT_TREES): a token's logits are then
+    bitwise the same on a tree branch as in a chain, so trees need no second pass.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
                      zero_points=attention == "mha", symmetric=symmetric, nested=nested)
@@ -677,13 +693,17 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     if own_kernel is None:  # it quantizes activations to int8: accuracy_level 4's choice
         own_kernel = g.two_rows and accuracy_level == 4 and kernels.for_export()
     g.own_kernel = own_kernel and not nested
+    kv_dim_head = kv_head_dim(spec, attention)
+    if own_attention is None:
+        own_attention = g.two_rows and kernels.for_export()
+    g.own_attention = own_attention and kv_scales is None and kv_dim_head % 8 == 0
     if g.own_kernel:  # its linears, and all others left (see invariant), are exact at one
-        g.two_rows, g.pad_attention = False, True  # row: only attention needs two
+        # row: only GroupQueryAttention needs two, edgespec's own attention none
+        g.two_rows, g.pad_attention = False, not g.own_attention
     tied = embeddings is lm_head
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew
         embeddings, lm_head = as_float(embeddings), as_float(lm_head)
     s_dim, t_dim = "sequence", "total_sequence"
-    kv_dim_head = kv_head_dim(spec, attention)
     if attention == "gqa":
         past_shape = present_shape = [1, spec.num_kv_heads, "max_length", kv_dim_head]
     else:
@@ -908,6 +928,9 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                               initializer=g.inits)
     domains = [MS] + ([blockq_ops.DOMAIN] if any(
         n.domain == blockq_ops.DOMAIN for n in g.nodes) else [])
-    return helper.make_model(graph, producer_name="edgespec", ir_version=10,
-                             opset_imports=[helper.make_opsetid("", OPSET)] + [
-                                 helper.make_opsetid(d, 1) for d in domains])
+    model = helper.make_model(graph, producer_name="edgespec", ir_version=10,
+                              opset_imports=[helper.make_opsetid("", OPSET)] + [
+                                  helper.make_opsetid(d, 1) for d in domains])
+    if g.own_attention:
+        helper.set_model_props(model, {kernels.EXACT_TREES: "1"})
+    return model

@@ -1,7 +1,8 @@
 """edgespec's own ONNX Runtime CPU kernels: a custom-op library built from C at install.
 
-`setup.py` compiles blockq.c (the batch-invariant block-quantized product) and ort_op.c
-(its ONNX Runtime binding, op edgespec.BlockQMatMul) into one shared library, optional:
+`setup.py` compiles blockq.c (the batch-invariant block-quantized product), attend.c (the
+batch-invariant attention) and ort_op.c (their ONNX Runtime binding, ops
+edgespec.BlockQMatMul and edgespec.Attention) into one shared library, optional:
 without a C compiler the install still succeeds, exports use ONNX Runtime's own kernels
 and a bundle that needs the library says so when it is opened.
 """
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 HERE = Path(__file__).parent
 DOMAIN = "edgespec"  # the ops' ONNX domain
 LAYOUT = 4  # blockq.h's layout and ops: cached exports are made anew when it changes
+# model metadata of graphs on the attention op: a tree pass's rows are bitwise chain rows
+EXACT_TREES = "edgespec.exact_trees"
 
 
 def _candidates() -> list[Path]:

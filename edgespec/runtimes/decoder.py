@@ -60,6 +60,17 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def compact(self, start: int, slots: list[int]) -> None:
+        """Move the entries at `slots` (ascending, none before `start`) to start, start+1,
+        ... and cut the cache there: the verified path of a token tree, made contiguous."""
+        if list(slots) != list(range(start, start + len(slots))):
+            if not hasattr(self, "arrays"):
+                raise EdgespecError("only a CPU KV cache can be compacted.")
+            for k, v in self.arrays:
+                k[:, :, start:start + len(slots)] = k[:, :, slots]
+                v[:, :, start:start + len(slots)] = v[:, :, slots]
+        self.length = start + len(slots)
+
     def bind(self, binding: ort.IOBinding) -> None:
         for i, (k, v) in zip(self.layers, self.buffers, strict=True):
             binding.bind_ortvalue_input(f"past_key_{i}", k)
@@ -177,7 +188,7 @@ def open_session(path: Path, providers: list[str], threads: int = 0,
         return ort.InferenceSession(model if model is not None else str(path), opts,
                                     providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
-        if "BlockQMatMul" in str(e) and not kernels.available():
+        if f"{kernels.DOMAIN}:" in str(e) and not kernels.available():
             raise EdgespecError(
                 f"{path} runs on edgespec's own CPU kernels, which this installation lacks "
                 "(it was installed without a C compiler); reinstall edgespec where gcc or "
@@ -267,6 +278,10 @@ class DecoderSession:
         self.scores_from = "logits_from" in {i.name for i in self.session.get_inputs()}
         if self.hidden is not None and not self.is_head:
             self.features = np.zeros((self.max_len + 1, entry.hidden_size), np.float32)
+        # a tree pass's rows bitwise its chain's (edgespec's own attention), on a cache
+        # that can be compacted: tree decoding then needs one pass a step (tree_decode)
+        self.exact_trees = (self.session.get_modelmeta().custom_metadata_map.get(
+            kernels.EXACT_TREES) == "1" and hasattr(self.cache, "arrays"))
         self.cache.bind(self.binding)  # the presents are bound last, in every binding
         if entry.nested:  # BitNest: this view computes with the base, or base + residual
             self.binding.bind_cpu_input("use_residual", np.array(entry.nested == "target"))

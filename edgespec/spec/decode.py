@@ -101,19 +101,22 @@ def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: Sampli
 def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: SamplingParams,
                 budget: int, rng: np.random.Generator, stats: GenerationStats,
                 on_logits: LogitsSink | None = None) -> Iterator[list[int]]:
-    """Grow a draft tree, pass it through the target, then verify its chosen path by a
-    chain pass: the committed tokens are decided by chain rows only.
+    """Grow a draft tree, pass it through the target and keep the path it picks.
 
-    A tree pass's rows are not bitwise those of a chain pass (ONNX Runtime's attention
-    sums a row's keys in SIMD lanes, and masked siblings move the keys to other lanes;
-    with int8 activations the logits moved by up to 0.7 on SmolLM2), so trusting them
-    would let greedy output differ from AR's. The tree pass is therefore a proposer:
-    sample-and-match on its rows picks a path and the token after it, each drawn from
-    its row's warped distribution q; the tree's cache entries are dropped and one chain
-    pass over [root, *path, next] verifies them with q (verify_chain), writing exact
-    cache entries. Every emitted token is thus decided by rows bitwise equal to AR
-    steps: greedy output equals AR's, and sampled output has the target's distribution.
+    Sample-and-match on the tree pass's rows (verify_tree) draws every token from the
+    target's own row for its prefix: a path and the token after it. Where a tree row is
+    bitwise the chain row of the same prefix (`target.exact_trees`: edgespec's own
+    attention, which sums only the keys a row sees, in order) those tokens are decided
+    then and there and the path's cache entries are moved together (`cache.compact`): one
+    pass per step. Elsewhere (ONNX Runtime's attention sums a row's keys in SIMD lanes,
+    and masked siblings move the keys to other lanes; with int8 activations the logits
+    moved by up to 0.7 on SmolLM2) the tree pass only proposes: its cache entries are
+    dropped and one chain pass over [root, *path, next] verifies them with the tree rows
+    as the proposal q (verify_chain), writing exact cache entries. Either way every
+    emitted token is decided by rows bitwise equal to AR steps: greedy output equals AR's,
+    and sampled output has the target's distribution.
     """
+    exact = getattr(target, "exact_trees", False)
     drafter.reset()
     tokens = [*ids, prefill(target, ids, params, rng, stats, on_logits)]
     yield tokens[-1:]
@@ -124,17 +127,22 @@ def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: Sam
         t1 = time.perf_counter()
         past = target.cache.length
         logits = target.forward(*tree.verify_inputs(tokens[-1], past))
+        stats.target_passes += 1
         path, nxt = verify_tree(logits, tree, params, rng)
-        target.cache.trim(target.cache.length - past)
         # row 0 drew the first proposal, row 1 + node the one after node
         proposals = [tree.tokens[node] for node in path] + [nxt]
         drawn_by = [0, *(1 + node for node in path)]
-        if past + len(proposals) + 1 > target.max_len:  # the chain pass must fit
-            proposals, drawn_by = proposals[:-1], drawn_by[:-1]
-        q = None if params.greedy else warp(logits[drawn_by], params)
-        rows = target.forward([tokens[-1], *proposals])
-        stats.target_passes += 2
-        n, nxt = verify_chain(rows, proposals, q, params, rng)
+        if exact:
+            target.cache.compact(past + 1, [past + 1 + node for node in path])
+            n, rows = len(path), logits[drawn_by]
+        else:
+            target.cache.trim(target.cache.length - past)
+            if past + len(proposals) + 1 > target.max_len:  # the chain pass must fit
+                proposals, drawn_by = proposals[:-1], drawn_by[:-1]
+            q = None if params.greedy else warp(logits[drawn_by], params)
+            rows = target.forward([tokens[-1], *proposals])
+            stats.target_passes += 1
+            n, nxt = verify_chain(rows, proposals, q, params, rng)
         if on_logits:
             on_logits(rows[:n + 1])
         stats.draft_s += t1 - t0
