@@ -23,23 +23,27 @@ H, HK, D, MAX, POSITIONS = 6, 2, 32, 64, 80
 
 
 def session(packed: bool = False, softcap: float = 0.0, threads: int = 2,
-            d: int = D) -> ort.InferenceSession:
+            d: int = D, int8: bool = False) -> ort.InferenceSession:
+    """One Attention op (AttentionInt8 with `int8`: int8 caches, k_scale and v_scale)."""
     f = TensorProto.FLOAT
+    cache = TensorProto.INT8 if int8 else f
     names = ["q", "k", "v", "past_key", "past_value", "cos", "sin", "position_ids", "bias"]
+    names += ["k_scale", "v_scale"] if int8 else []
     shapes = {"q": [1, "S", (H + 2 * HK) * d if packed else H * d], "k": [1, "S", HK * d],
               "v": [1, "S", HK * d], "past_key": [1, HK, MAX, d], "past_value": [1, HK, MAX, d],
               "cos": [POSITIONS, "half"], "sin": [POSITIONS, "half"], "position_ids": [1, "S"],
-              "bias": [1, 1, "S", "T"]}
+              "bias": [1, 1, "S", "T"], "k_scale": [HK, 1, d], "v_scale": [HK, 1, d]}
+    types = {"position_ids": TensorProto.INT64, "past_key": cache, "past_value": cache}
     used = [n for n in names if not (packed and n in ("k", "v"))]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "position_ids" else f,
-                                            shapes[n]) for n in used]
-    node = helper.make_node("Attention", ["" if packed and n in ("k", "v") else n for n in names],
+    inputs = [helper.make_tensor_value_info(n, types.get(n, f), shapes[n]) for n in used]
+    node = helper.make_node("AttentionInt8" if int8 else "Attention",
+                            ["" if packed and n in ("k", "v") else n for n in names],
                             ["out", "present_key", "present_value"], domain=kernels.DOMAIN,
                             num_heads=H, kv_num_heads=HK, scale=d ** -0.5,
                             **({"softcap": softcap} if softcap else {}))
     outputs = [helper.make_tensor_value_info("out", f, [1, "S", H * d]),
-               helper.make_tensor_value_info("present_key", f, [1, HK, MAX, d]),
-               helper.make_tensor_value_info("present_value", f, [1, HK, MAX, d])]
+               helper.make_tensor_value_info("present_key", cache, [1, HK, MAX, d]),
+               helper.make_tensor_value_info("present_value", cache, [1, HK, MAX, d])]
     return kernels.op_session(helper.make_graph([node], "g", inputs, outputs), threads)
 
 
@@ -59,14 +63,21 @@ def rotated(x: np.ndarray, pos: np.ndarray, cos: np.ndarray, sin: np.ndarray) ->
 class Stream:
     """Random queries, keys and values for a sequence, and the op fed them in passes."""
 
-    def __init__(self, n: int, seed: int = 0, half: int = D // 2, d: int = D):
+    def __init__(self, n: int, seed: int = 0, half: int = D // 2, d: int = D,
+                 int8: bool = False):
         rng = np.random.default_rng(seed)
         self.d = d
         self.q = rng.standard_normal((n, H, d)).astype(np.float32)
         self.k = rng.standard_normal((n, HK, d)).astype(np.float32)
         self.v = rng.standard_normal((n, HK, d)).astype(np.float32)
         self.cos, self.sin = tables(half)
-        self.cache = [np.zeros((1, HK, MAX, d), np.float32) for _ in range(2)]
+        self.cache = [np.zeros((1, HK, MAX, d), np.int8 if int8 else np.float32)
+                      for _ in range(2)]
+        # per KV head and channel, as export.kv_quant calibrates them on what the cache
+        # holds (rotated keys): peak * 1.1 / 127
+        keys = rotated(self.k, np.arange(n), self.cos, self.sin)
+        self.scales = [(np.abs(a).max(0)[:, None, :] * 1.1 / 127).astype(np.float32)
+                       for a in (keys, self.v)] if int8 else None
         self.past = 0
 
     def feed(self, run: ort.InferenceSession, tokens: list[int], positions: list[int],
@@ -77,6 +88,8 @@ class Stream:
         q, k, v = (a[tokens].reshape(1, s, -1) for a in (self.q, self.k, self.v))
         feeds = {"past_key": self.cache[0], "past_value": self.cache[1], "cos": self.cos,
                  "sin": self.sin, "position_ids": np.array([positions], np.int64), "bias": bias}
+        if self.scales:
+            feeds["k_scale"], feeds["v_scale"] = self.scales
         if packed:
             feeds["q"] = np.concatenate([q, k, v], -1)
         else:
@@ -135,15 +148,15 @@ def decoy_tree(depth: int) -> tuple[DraftTree, list[int]]:
     return tree, path
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_token_attends_the_same_alone_in_a_chain_and_on_a_tree_branch(threads):
+@pytest.mark.parametrize("threads,int8", [(1, False), (2, False), (2, True)])
+def test_a_token_attends_the_same_alone_in_a_chain_and_on_a_tree_branch(threads, int8):
     """Bitwise: tokens 10..26 after a 10-token prefix, fed one at a time, in chains of 5
     and 17, and as the path of a tree whose decoy siblings sit between the path's nodes."""
-    run = session(threads=threads)
+    run = session(threads=threads, int8=int8)
     prefix = list(range(10))
 
     def after_prefix() -> Stream:
-        st = Stream(60, seed=1)
+        st = Stream(60, seed=1, int8=int8)
         st.feed(run, prefix, prefix, causal_bias(0, 10))
         return st
     st = after_prefix()
@@ -162,19 +175,45 @@ def test_a_token_attends_the_same_alone_in_a_chain_and_on_a_tree_branch(threads)
     assert np.array_equal(out[[0, *(1 + n for n in path)]], alone[:9])
 
 
-def test_every_path_gives_the_same_bits():
-    st0 = Stream(30, seed=2)
+@pytest.mark.parametrize("int8", [False, True])
+def test_every_path_gives_the_same_bits(int8):
     bias = causal_bias(0, 30)
     bias[0, 0, 20:, 2:9] = NEG_INF
-    results = []
+    results, caches = [], []
     for _, _path in every_path():
-        st = Stream(30, seed=2)
-        results.append(st.feed(session(), list(range(30)), list(range(30)), bias))
+        st = Stream(30, seed=2, int8=int8)
+        results.append(st.feed(session(int8=int8), list(range(30)), list(range(30)), bias))
+        caches.append(st.cache)
     assert len(results) == kernels.path() + 1
-    for r in results[1:]:
+    for r, c in zip(results[1:], caches[1:], strict=True):
         assert np.array_equal(r, results[0])
-    assert np.abs(results[0] - reference(st0, list(range(30)), list(range(30)), bias)
-                  ).max() < 1e-5
+        assert all(np.array_equal(a, b) for a, b in zip(c, caches[0], strict=True))
+    if not int8:
+        assert np.abs(results[0] - reference(Stream(30, seed=2), list(range(30)),
+                                             list(range(30)), bias)).max() < 1e-5
+
+
+def test_int8_caches_hold_the_codes_and_attend_with_them():
+    """Codes round(x / scale) half to even per KV head and channel; the output is the float
+    attention over the dequantized keys and values."""
+    run = session(int8=True)
+    st = Stream(20, seed=5, int8=True)
+    bias = causal_bias(0, 20)
+    out = st.feed(run, list(range(20)), list(range(20)), bias)
+    ks, vs = (s[:, 0].astype(np.float64) for s in st.scales)
+    keys = rotated(st.k, np.arange(20), st.cos, st.sin)
+    assert np.abs(st.cache[0][0, :, :20].transpose(1, 0, 2) - np.rint(keys / ks)).max() <= 1
+    assert np.array_equal(st.cache[1][0, :, :20].transpose(1, 0, 2),
+                          np.rint(st.v / vs).astype(np.int8))
+    # the float reference over the dequantized cache: keys as stored, queries rotated
+    deq = Stream(20, seed=5)
+    deq.k = (st.cache[0][0, :, :20].transpose(1, 0, 2) * ks).astype(np.float32)
+    deq.v = (st.cache[1][0, :, :20].transpose(1, 0, 2) * vs).astype(np.float32)
+    deq.cos, deq.sin = np.ones_like(st.cos), np.zeros_like(st.sin)  # keys come rotated
+    queries = rotated(st.q, np.arange(20), st.cos, st.sin).astype(np.float32)
+    deq.q = queries
+    want = reference(deq, list(range(20)), list(range(20)), bias)
+    assert np.abs(out - want).max() < 1e-4
 
 
 def test_the_cache_is_written_in_place_when_bound_as_past_and_present():

@@ -5,10 +5,14 @@ scores its last rows only; and therefore greedy
 speculative decoding equals greedy AR on real prompts, not only on the demo pair.
 
 The oracle is the runtime's own single-token passes (edgespec.runtimes.exactness).
-Token tree passes are not bitwise (ONNX Runtime's softmax sums a row's keys in SIMD
-lanes, so masked siblings move the others across lanes; README "Exactness"), so tree
-decoding verifies the path a tree pass picks by a chain pass (spec.decode.tree_decode):
-greedy trees must equal AR too.
+Token tree passes are bitwise too where attention runs on edgespec's own op (the cpu
+profile, where the kernel library is built; float and int8 caches): a node on a tree branch
+gets the logits the same token gets in a chain, and tree decoding then decides tokens from
+the tree pass alone. With ONNX Runtime's GroupQueryAttention (bundles for installs without the
+library) they are not (its softmax sums a row's keys in SIMD lanes, so
+masked siblings move the others across lanes; README "Exactness"), and tree decoding
+verifies the path a tree pass picks by a chain pass (spec.decode.tree_decode). Greedy
+trees must equal AR either way.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import onnx
 import pytest
 
 import edgespec
+from edgespec import kernels
 from edgespec.export import export
 from edgespec.runtimes.exactness import decoy_tree, measure
 from tests.real_models import smollm2_gguf
@@ -30,24 +35,33 @@ def tokens(vocab: int, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, vocab, n).tolist()
 
 
-def assert_chains_exact(path) -> None:
+def assert_exact(path, trees: bool | None = None) -> None:
+    """Chains and prefills bitwise; tree branches too where `trees` (by default: wherever
+    exports put attention on edgespec's own op), and the runtime knows which."""
+    trees = kernels.for_export() if trees is None else trees
     engine = edgespec.load(path, device="cpu")
     vocab = engine.target.vocab
-    got = measure(engine.target, tokens(vocab, 40, 0), tokens(vocab, 17, 1), trees=())
+    assert engine.target.exact_trees == trees
+    got = measure(engine.target, tokens(vocab, 40, 0), tokens(vocab, 17, 1),
+                  trees=(5, 17) if trees else ())
     engine.close()
     assert got.chain == {5: 0.0, 17: 0.0}
     assert got.prefill == {5: 0.0, 17: 0.0}  # a prefill's last row, as it draws a token
+    if trees:
+        assert got.tree == {5: 0.0, 17: 0.0}
 
 
 def test_demo_bundle_chains_are_bitwise(demo_bundle):
-    assert_chains_exact(demo_bundle)
+    """The shipped demo bundle runs on any ONNX Runtime install: ONNX Runtime's ops only,
+    GroupQueryAttention's trees (re-exported here, its target gets exact trees too)."""
+    assert_exact(demo_bundle, trees=False)
 
 
 def test_nested_demo_target_chains_are_bitwise(tmp_path, demo_target):
     """BitNest with 4-bit planes in blocks of 16: the W8 target view is exact too."""
     out = tmp_path / "nest"
     export(demo_target, out, draft="nested", block_size=16)
-    assert_chains_exact(out)
+    assert_exact(out)
 
 
 @pytest.mark.parametrize("kwargs", [dict(precision="int4"), dict(draft="nested")],
@@ -60,7 +74,7 @@ def test_4bit_blocks_of_32_are_exact_as_exported(tmp_path, demo_target, kwargs, 
     export(demo_target, tmp_path / "b", **kwargs)
     assert {32} == {attr(n, "block_size") for n in nodes(tmp_path / "b", "MatMulNBits")
                     if attr(n, "bits") == 4}
-    assert_chains_exact(tmp_path / "b")
+    assert_exact(tmp_path / "b", trees=False)
 
 
 def test_own_kernel_exports_are_exact(tmp_path, demo_target):
@@ -70,7 +84,7 @@ def test_own_kernel_exports_are_exact(tmp_path, demo_target):
     export(demo_target, tmp_path / "b", precision="int4")
     assert {4} <= {attr(n, "bits") for n in nodes(tmp_path / "b", "BlockQMatMul")}
     assert {16} == {attr(n, "block_size") for n in nodes(tmp_path / "b", "MatMulNBits")}
-    assert_chains_exact(tmp_path / "b")
+    assert_exact(tmp_path / "b")
 
 
 def nodes(bundle, op: str) -> list[onnx.NodeProto]:
@@ -110,7 +124,7 @@ def smollm2(root, precision: str, kv: str = "float", block: int = 32,
     ("int8", "int8", 32, "k"), ("int4", "float", 16, "k"), ("int2", "float", 32, "k"),
     ("int8", "int8", 32, "rot")])
 def test_smollm2_chains_are_bitwise(smollm2_dir, precision, kv, block, quant):
-    assert_chains_exact(smollm2(smollm2_dir, precision, kv, block, quant=quant))
+    assert_exact(smollm2(smollm2_dir, precision, kv, block, quant=quant))
 
 
 def test_smollm2_rotated_int8_is_exact_at_q8_0_fidelity(smollm2_dir):
@@ -122,13 +136,13 @@ def test_smollm2_rotated_int8_is_exact_at_q8_0_fidelity(smollm2_dir):
     from edgespec.bundle import read_manifest
 
     bundle = smollm2(smollm2_dir, "int8", quant="rot", calibration="self")
-    assert_chains_exact(bundle)
+    assert_exact(bundle)
     quality = read_manifest(bundle).provenance["quality"]
     assert quality["kl"] < 0.0044 and quality["top1"] > 0.965
 
 
 def test_smollm2_nested_target_chains_are_bitwise(smollm2_dir):
-    assert_chains_exact(smollm2(smollm2_dir, "int8", block=16, draft="nested"))
+    assert_exact(smollm2(smollm2_dir, "int8", block=16, draft="nested"))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import edgespec
+from edgespec import kernels
 from edgespec.bundle import read_manifest
 from edgespec.export import export
 from edgespec.runtimes import DecoderSession
@@ -149,17 +150,20 @@ def test_gemma_greedy_continuations_equal_transformers(gemma, tmp_path):
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma"])
 def test_default_exports_are_batch_invariant(bundles, name):
-    """A token's logits are bitwise the same fed alone, inside 5- and 17-token chains or
-    last in a prefill that scores its last two rows only (no pass has one row, see
-    export.exact_rows), so speculation cannot change a greedy
-    answer even at a near-tie."""
+    """A token's logits are bitwise the same fed alone, inside 5- and 17-token chains,
+    on a branch of a 5- or 17-node token tree (edgespec's own attention: Gemma's sliding
+    windows and head norms included) or last in a prefill that scores its last two rows
+    only, so speculation cannot change a greedy answer even at a near-tie."""
     from edgespec.runtimes.exactness import measure
 
     engine = edgespec.load(bundles / name, device="cpu")
     rng = np.random.default_rng(0)
     prefix, ids = (rng.integers(3, engine.target.vocab, n).tolist() for n in (40, 17))
-    got = measure(engine.target, prefix, ids, trees=())
+    assert engine.target.exact_trees == kernels.for_export()
+    got = measure(engine.target, prefix, ids, trees=(5, 17) if kernels.for_export() else ())
     assert got.chain == got.prefill == {5: 0.0, 17: 0.0}
+    if kernels.for_export():
+        assert got.tree == {5: 0.0, 17: 0.0}
 
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma"])

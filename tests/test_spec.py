@@ -351,6 +351,47 @@ class TreeRowsDiffer(MarkovModel):
         return rows if bias is None else self.tree_table[np.asarray(ids)]
 
 
+class ExactTrees(MarkovModel):
+    """A target whose tree rows are its chain rows (edgespec's own attention): tree
+    decoding decides from the tree pass and compacts the cache."""
+
+    exact_trees = True
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_trees_take_one_pass_a_step_and_equal_greedy_ar(seed):
+    target_table, draft_table = tables(seed)
+    stats = GenerationStats("spec")
+    target = ExactTrees(target_table, 200)
+    drafter = TreeDrafter(MarkovModel(draft_table, 200), top_k=2, depth=3)
+    out, steps = [], 0
+    for new in tree_decode(target, drafter, [1], SamplingParams(0.0), 6,
+                           np.random.default_rng(0), stats):
+        out += new
+        steps += 1
+        # the committed tokens but the last are cached, the path moved after the root
+        assert target.cache.length == len(out)
+        if len(out) >= 40:
+            break
+    assert out[:40] == greedy_ar(target_table, [1])
+    assert stats.target_passes == steps  # the prefill, then one tree pass a step
+    assert stats.accepted > 0 and steps < 40
+    start, slots = target.cache.moves
+    assert slots == sorted(slots) and all(s >= start for s in slots)
+
+
+def test_exact_tree_sampling_preserves_sequence_distribution():
+    target_table, draft_table = tables(7)
+    params = SamplingParams(0.9)
+    rng = np.random.default_rng(4)
+    samples = []
+    for _ in range(6000):
+        drafter = TreeDrafter(MarkovModel(draft_table, 200), top_k=2, depth=3)
+        samples.append(tuple(take(tree_decode(ExactTrees(target_table, 200), drafter, [2],
+                                              params, 6, rng, GenerationStats("spec")), 3)))
+    assert_matches(samples, exact_distribution(target_table, 2, 3, params))
+
+
 @pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)])
 def test_tree_rows_never_decide_a_token(params):
     """Only chain rows decide: greedy trees equal AR of the chain rows and sampled trees
@@ -468,7 +509,7 @@ def accept_all_tree(target_logits, tree, params, rng):
     return path, sample(target_logits[node + 1], params, rng)
 
 
-@pytest.mark.parametrize("kind", ["chain", "tree", "greedy"])
+@pytest.mark.parametrize("kind", ["chain", "tree", "exact-tree", "greedy"])
 def test_a_wrong_verifier_fails_the_losslessness_tests(monkeypatch, kind):
     """The statistical and greedy checks above must be able to fail: with a verifier
     that accepts everything, they do."""
@@ -490,6 +531,8 @@ def test_a_wrong_verifier_fails_the_losslessness_tests(monkeypatch, kind):
             gen = chain_decode(target, ModelDrafter(MarkovModel(draft_table)), [2], params, 3,
                                rng, GenerationStats("spec"))
         else:
+            if kind == "exact-tree":
+                target = ExactTrees(target_table, 200)
             gen = tree_decode(target, TreeDrafter(MarkovModel(draft_table, 200), 2, 3), [2],
                               params, 6, rng, GenerationStats("spec"))
         samples.append(tuple(take(gen, 3)))

@@ -515,9 +515,9 @@ def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seql
         total: str, rope: list[str], bias: str,
         kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> str:
     """GroupQueryAttention: RoPE inside, KV written in place into the shared buffer.
-    Or, on graphs with `own_attention` and a float cache, edgespec's own attention op with
-    the same inputs (edgespec/kernels/attend.h): exact at one row, and a tree node's output
-    bitwise what the same token gives in a chain.
+    Or, on graphs with `own_attention`, edgespec's own attention op with the same inputs
+    (edgespec/kernels/attend.h): exact at one row, and a tree node's output bitwise what
+    the same token gives in a chain.
     Sliding windows are in `bias` (see window_bias), not GQA's slot-based window.
     `kv_scales` (per kv head and channel, [kv_heads, 1, head_dim]) make the cache int8
     codes: GQA quantizes the rotated K and V it writes and dequantizes what it reads."""
@@ -537,9 +537,10 @@ def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seql
     if g.two_rows or g.pad_attention:  # the stream's rows, or attention's: see exact_rows
         positions, bias = exact_rows.padded_positions(g), exact_rows.padded_bias(g, bias)
         seqlens_k, total = exact_rows.padded_lengths(g, seqlens_k, total)
-    if g.own_attention:
-        return g.node("Attention", [*qkv, f"past_key_{i}", f"past_value_{i}", *rope,
-                                    positions, bias],
+    if g.own_attention:  # int8 caches: the scales follow the bias, without GQA's gap
+        return g.node("Attention" if kv_scales is None else "AttentionInt8",
+                      [*qkv, f"past_key_{i}", f"past_value_{i}", *rope, positions, bias,
+                       *quantized[1:]],
                       [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
                       domain=kernels.DOMAIN, num_heads=spec.num_heads,
                       kv_num_heads=spec.num_kv_heads,
@@ -680,8 +681,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     `own_kernel` runs block-of-32 4/8-bit codes on edgespec's CPU kernel (blockq_ops);
     None: on the cpu profile with int8 activations (accuracy_level 4) where this
     installation has the library (kernels.for_export). `own_attention` puts attention on
-    its attention op (gqa); None: on the cpu profile with a float cache where the library
-    is there. Its graphs say so in their metadata (kernels.EXACT_TREES): a token's logits are then
+    its attention op (gqa); None: on the cpu profile where the library is there. Its graphs say so in their metadata (kernels.EXACT_TREES): a token's logits are then
     bitwise the same on a tree branch as in a chain, so trees need no second pass.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
@@ -696,7 +696,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     kv_dim_head = kv_head_dim(spec, attention)
     if own_attention is None:
         own_attention = g.two_rows and kernels.for_export()
-    g.own_attention = own_attention and kv_scales is None and kv_dim_head % 8 == 0
+    g.own_attention = own_attention and kv_dim_head % 8 == 0
     if g.own_kernel:  # its linears, and all others left (see invariant), are exact at one
         # row: only GroupQueryAttention needs two, edgespec's own attention none
         g.two_rows, g.pad_attention = False, not g.own_attention

@@ -27,15 +27,28 @@ static float score(const AttendShape *a, float dot, float bias) {
     return (a->softcap > 0.0f ? a->softcap * tanhf(x / a->softcap) : x) + bias;
 }
 
-static void row_portable(const AttendShape *a, const float *q, const float *K, const float *V,
-                         const float *bias, const int32_t *idx, int64_t n, float *e, float *out) {
+/* Element i of a cache row: float, or an int8 code (its scale applied elsewhere). */
+static inline float cached(const void *row, int64_t i, int int8) {
+    return int8 ? (float)((const int8_t *)row)[i] : ((const float *)row)[i];
+}
+
+static inline const void *slot(const void *cache, int64_t j, int64_t D, int int8) {
+    return int8 ? (const void *)((const int8_t *)cache + j * D)
+                : (const void *)((const float *)cache + j * D);
+}
+
+/* The output of one query row q over the n open keys idx of one KV head. With int8 caches
+ * q comes scaled by the key scales, and `vscale` scales the weighted sum of value codes. */
+static void row_portable(const AttendShape *a, const float *q, const void *K, const void *V,
+                         const float *vscale, int int8, const float *bias, const int32_t *idx,
+                         int64_t n, float *e, float *out) {
     const int64_t D = a->D;
     float top = -INFINITY;
     for (int64_t i = 0; i < n; ++i) {
-        const float *k = K + idx[i] * D;
+        const void *k = slot(K, idx[i], D, int8);
         float lanes[8] = {0};
         for (int64_t d = 0; d < D; d += 8)
-            for (int l = 0; l < 8; ++l) lanes[l] = fmaf(q[d + l], k[d + l], lanes[l]);
+            for (int l = 0; l < 8; ++l) lanes[l] = fmaf(q[d + l], cached(k, d + l, int8), lanes[l]);
         e[i] = score(a, fold8(lanes), bias[idx[i]]);
         top = e[i] > top ? e[i] : top;
     }
@@ -46,9 +59,11 @@ static void row_portable(const AttendShape *a, const float *q, const float *K, c
     }
     const float sum = fold8(lanes);
     for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-    for (int64_t i = 0; i < n; ++i)
-        for (int64_t d = 0; d < D; ++d) out[d] = fmaf(e[i], V[idx[i] * D + d], out[d]);
-    for (int64_t d = 0; d < D; ++d) out[d] = out[d] / sum;
+    for (int64_t i = 0; i < n; ++i) {
+        const void *v = slot(V, idx[i], D, int8);
+        for (int64_t d = 0; d < D; ++d) out[d] = fmaf(e[i], cached(v, d, int8), out[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) out[d] = (int8 ? out[d] * vscale[d] : out[d]) / sum;
 }
 
 #ifdef EDGESPEC_X86
@@ -61,35 +76,49 @@ AVX2 INLINE float fold_256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-/* out[0:8R] = sum_i e_i v_i[0:8R] / sum, key after key (R registers of 8 dimensions). */
-AVX2 INLINE void weighted_256(const float *V, int64_t D, const int32_t *idx, int64_t n,
-                              const float *e, float sum, float *out, int R) {
+/* 8 cache elements from `at` as floats (int8 codes converted). */
+AVX2 INLINE __m256 load_256(const void *row, int64_t at, int int8) {
+    if (int8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)((const int8_t *)row + at))));
+    return _mm256_loadu_ps((const float *)row + at);
+}
+
+/* out[0:8R] = sum_i e_i v_i[0:8R] (times vscale with int8 codes) / sum, key after key
+ * (R registers of 8 dimensions). */
+AVX2 INLINE void weighted_256(const void *V, int64_t d0, int64_t D, const float *vscale,
+                              int int8, const int32_t *idx, int64_t n, const float *e,
+                              float sum, float *out, int R) {
     __m256 acc[8];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t i = 0; i < n; ++i) {
         const __m256 p = _mm256_set1_ps(e[i]);
-        const float *v = V + idx[i] * D;
-        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * r), acc[r]);
+        const void *v = slot(V, idx[i], D, int8);
+        for (int r = 0; r < R; ++r)
+            acc[r] = _mm256_fmadd_ps(p, load_256(v, d0 + 8 * r, int8), acc[r]);
     }
-    for (int r = 0; r < R; ++r)
-        _mm256_storeu_ps(out + 8 * r, _mm256_div_ps(acc[r], _mm256_set1_ps(sum)));
+    for (int r = 0; r < R; ++r) {
+        __m256 x = acc[r];
+        if (int8) x = _mm256_mul_ps(x, _mm256_loadu_ps(vscale + d0 + 8 * r));
+        _mm256_storeu_ps(out + d0 + 8 * r, _mm256_div_ps(x, _mm256_set1_ps(sum)));
+    }
 }
 
-AVX2 static void row_avx2(const AttendShape *a, const float *q, const float *K, const float *V,
-                          const float *bias, const int32_t *idx, int64_t n, float *e,
-                          float *out) {
+AVX2 INLINE void row_avx2(const AttendShape *a, const float *q, const void *K, const void *V,
+                          const float *vscale, int int8, const float *bias,
+                          const int32_t *idx, int64_t n, float *e, float *out) {
     const int64_t D = a->D;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4) { /* four keys at once: four independent chains */
-        const float *k0 = K + idx[i] * D, *k1 = K + idx[i + 1] * D, *k2 = K + idx[i + 2] * D,
-                    *k3 = K + idx[i + 3] * D;
+        const void *k0 = slot(K, idx[i], D, int8), *k1 = slot(K, idx[i + 1], D, int8),
+                   *k2 = slot(K, idx[i + 2], D, int8), *k3 = slot(K, idx[i + 3], D, int8);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t d = 0; d < D; d += 8) {
             const __m256 x = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k1 + d), a1);
-            a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k2 + d), a2);
-            a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k3 + d), a3);
+            a0 = _mm256_fmadd_ps(x, load_256(k0, d, int8), a0);
+            a1 = _mm256_fmadd_ps(x, load_256(k1, d, int8), a1);
+            a2 = _mm256_fmadd_ps(x, load_256(k2, d, int8), a2);
+            a3 = _mm256_fmadd_ps(x, load_256(k3, d, int8), a3);
         }
         e[i] = fold_256(a0);
         e[i + 1] = fold_256(a1);
@@ -97,10 +126,10 @@ AVX2 static void row_avx2(const AttendShape *a, const float *q, const float *K, 
         e[i + 3] = fold_256(a3);
     }
     for (; i < n; ++i) {
-        const float *k = K + idx[i] * D;
+        const void *k = slot(K, idx[i], D, int8);
         __m256 acc = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_256(k, d, int8), acc);
         e[i] = fold_256(acc);
     }
     float top = -INFINITY;
@@ -120,10 +149,23 @@ AVX2 static void row_avx2(const AttendShape *a, const float *q, const float *K, 
     const float sum = fold_256(_mm256_add_ps(lanes, _mm256_loadu_ps(tail)));
     for (int64_t d = 0; d < D; d += 64) {
         if (D - d >= 64)
-            weighted_256(V + d, D, idx, n, e, sum, out + d, 8);
+            weighted_256(V, d, D, vscale, int8, idx, n, e, sum, out, 8);
         else
-            weighted_256(V + d, D, idx, n, e, sum, out + d, (int)((D - d) / 8));
+            weighted_256(V, d, D, vscale, int8, idx, n, e, sum, out, (int)((D - d) / 8));
     }
+}
+
+/* One instance per cache type, so that neither tests its type in the inner loops. */
+AVX2 static void row_avx2_float(const AttendShape *a, const float *q, const void *K,
+                                const void *V, const float *vscale, const float *bias,
+                                const int32_t *idx, int64_t n, float *e, float *out) {
+    row_avx2(a, q, K, V, vscale, 0, bias, idx, n, e, out);
+}
+
+AVX2 static void row_avx2_int8(const AttendShape *a, const float *q, const void *K,
+                               const void *V, const float *vscale, const float *bias,
+                               const int32_t *idx, int64_t n, float *e, float *out) {
+    row_avx2(a, q, K, V, vscale, 1, bias, idx, n, e, out);
 }
 #endif
 
@@ -137,28 +179,46 @@ static void rotate(const float *x, float *y, int64_t D, int64_t half, const floa
     for (int64_t i = 2 * half; i < D; ++i) y[i] = x[i];
 }
 
+/* x / scale rounded half to even (the 1.5 * 2^23 trick, after clamping) to an int8 code. */
+static int8_t code_of(float x, float scale) {
+    float r = x / scale;
+    r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+    return (int8_t)((r + 12582912.0f) - 12582912.0f);
+}
+
 void attend_prepare(const AttendShape *a, const float *q, int64_t q_stride, const float *k,
                     int64_t k_stride, const float *v, int64_t v_stride, const int64_t *pos,
-                    const float *cos, const float *sin, float *qrot, float *kcache,
-                    float *vcache) {
+                    const float *cos, const float *sin, float *qrot, void *kcache,
+                    void *vcache, float *scratch) {
     const int64_t D = a->D;
+    const int int8 = a->kscale != NULL;
     for (int64_t s = 0; s < a->S; ++s) {
         const float *c = cos + pos[s] * a->half, *sn = sin + pos[s] * a->half;
         for (int64_t h = 0; h < a->H; ++h)
             rotate(q + s * q_stride + h * D, qrot + (s * a->H + h) * D, D, a->half, c, sn);
         for (int64_t g = 0; g < a->Hk; ++g) {
-            const int64_t slot = (g * a->max + a->past + s) * D;
-            rotate(k + s * k_stride + g * D, kcache + slot, D, a->half, c, sn);
-            memcpy(vcache + slot, v + s * v_stride + g * D, (size_t)D * sizeof(float));
+            const int64_t at = (g * a->max + a->past + s) * D;
+            const float *vs = v + s * v_stride + g * D;
+            if (!int8) {
+                rotate(k + s * k_stride + g * D, (float *)kcache + at, D, a->half, c, sn);
+                memcpy((float *)vcache + at, vs, (size_t)D * sizeof(float));
+                continue;
+            }
+            rotate(k + s * k_stride + g * D, scratch, D, a->half, c, sn);
+            for (int64_t d = 0; d < D; ++d) {
+                ((int8_t *)kcache)[at + d] = code_of(scratch[d], a->kscale[g * D + d]);
+                ((int8_t *)vcache)[at + d] = code_of(vs[d], a->vscale[g * D + d]);
+            }
         }
     }
 }
 
-void attend_rows(const AttendShape *a, const float *qrot, const float *kcache,
-                 const float *vcache, const float *bias, float *out, int64_t begin,
+void attend_rows(const AttendShape *a, const float *qrot, const void *kcache,
+                 const void *vcache, const float *bias, float *out, int64_t begin,
                  int64_t end, int32_t *idx, float *e) {
     const int64_t D = a->D, T = a->past + a->S, group = a->H / a->Hk;
-    const int path = blockq_path();
+    const int int8 = a->kscale != NULL, path = blockq_path();
+    float *scaled = e + T + 8; /* the query times the key scales (int8 caches) */
     int64_t row = -1, n = 0;
     for (int64_t t = begin; t < end; ++t) {
         const int64_t s = t / a->H, g = (t % a->H) / group;
@@ -166,19 +226,25 @@ void attend_rows(const AttendShape *a, const float *qrot, const float *kcache,
             n = open_keys(a, bias + s * T, s, idx);
             row = s;
         }
-        const float *K = kcache + g * a->max * D, *V = vcache + g * a->max * D;
+        const void *K = slot(kcache, g * a->max, D, int8), *V = slot(vcache, g * a->max, D, int8);
+        const float *q = qrot + t * D, *vscale = int8 ? a->vscale + g * D : NULL;
         float *o = out + t * D;
         if (n == 0) {
             memset(o, 0, (size_t)D * sizeof(float));
             continue;
         }
+        if (int8) {
+            for (int64_t d = 0; d < D; ++d) scaled[d] = q[d] * a->kscale[g * D + d];
+            q = scaled;
+        }
 #ifdef EDGESPEC_X86
         if (path >= 1) {
-            row_avx2(a, qrot + t * D, K, V, bias + s * T, idx, n, e, o);
+            (int8 ? row_avx2_int8 : row_avx2_float)(a, q, K, V, vscale, bias + s * T, idx, n,
+                                                   e, o);
             continue;
         }
 #endif
-        row_portable(a, qrot + t * D, K, V, bias + s * T, idx, n, e, o);
+        row_portable(a, q, K, V, vscale, int8, bias + s * T, idx, n, e, o);
     }
     (void)path;
 }

@@ -24,20 +24,24 @@ typedef struct {
     int64_t S, H, Hk, D, half; /* tokens, query heads, KV heads, head size, rotary half */
     int64_t past, max;         /* cached slots before this pass; the caches' length */
     float scale, softcap;      /* scores = softcap * tanh(q.k * scale / softcap) if softcap */
+    const float *kscale, *vscale; /* [Hk, D]: the caches hold int8 codes (NULL: floats) */
 } AttendShape;
 
 /* Rotates the pass's queries into qrot [S, H, D] and its keys into the key cache at slots
  * past..past+S-1 (the half-split layout, rotated at position pos[s]); copies its values into
- * the value cache. */
+ * the value cache. With int8 caches both are stored as codes round(x / scale) (half to even,
+ * within +-127) per KV head and channel; scratch holds D floats. */
 void attend_prepare(const AttendShape *shape, const float *q, int64_t q_stride, const float *k,
                     int64_t k_stride, const float *v, int64_t v_stride, const int64_t *pos,
-                    const float *cos, const float *sin, float *qrot, float *kcache,
-                    float *vcache);
+                    const float *cos, const float *sin, float *qrot, void *kcache,
+                    void *vcache, float *scratch);
 
-/* out[s, h] for the (s, h) pairs numbered s * H + h in [begin, end); idx and e are scratch
- * of past + S + 8 elements each. */
-void attend_rows(const AttendShape *shape, const float *qrot, const float *kcache,
-                 const float *vcache, const float *bias, float *out, int64_t begin,
+/* out[s, h] for the (s, h) pairs numbered s * H + h in [begin, end); idx is scratch of
+ * past + S + 8 elements, e of past + S + 8 + D. With int8 caches a query is multiplied by
+ * the key scales before its dot products with the codes, and the weighted sum of value
+ * codes by the value scales before the division by the sum. */
+void attend_rows(const AttendShape *shape, const float *qrot, const void *kcache,
+                 const void *vcache, const float *bias, float *out, int64_t begin,
                  int64_t end, int32_t *idx, float *e);
 
 #endif

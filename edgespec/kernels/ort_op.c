@@ -351,17 +351,20 @@ static const OrtCustomOp g_op_half = BLOCKQ_OP;
 /* ---- Attention ---- */
 
 #define ATTEND_NAME "Attention"
+#define ATTEND_NAME_INT8 "AttentionInt8"
 #define attend_error(api, code, ...) error_in(ATTEND_NAME, api, code, __VA_ARGS__)
 
 typedef struct {
   const OrtApi *api;
   int64_t H, Hk, cpus;
   float scale, softcap;
+  int int8; /* int8 caches with per-channel scales (ATTEND_NAME_INT8) */
 } AttendKernel;
+
+static const OrtCustomOp g_attend_int8;
 
 static OrtStatus *ORT_API_CALL attend_create(const OrtCustomOp *op, const OrtApi *api,
                                              const OrtKernelInfo *info, void **kernel) {
-  (void)op;
   *kernel = NULL;
   int64_t H, Hk;
   float scale, softcap = 0.0f;
@@ -382,7 +385,7 @@ static OrtStatus *ORT_API_CALL attend_create(const OrtCustomOp *op, const OrtApi
                         (long long)H, (long long)Hk);
   AttendKernel *k = (AttendKernel *)malloc(sizeof *k);
   if (k == NULL) return attend_error(api, ORT_FAIL, "out of memory");
-  *k = (AttendKernel){api, H, Hk, online_cpus(), scale, softcap};
+  *k = (AttendKernel){api, H, Hk, online_cpus(), scale, softcap, op == &g_attend_int8};
   *kernel = k;
   return NULL;
 }
@@ -404,7 +407,9 @@ static OrtStatus *shape_of(const OrtApi *api, const OrtValue *v, const char *wha
 
 typedef struct {
   const AttendShape *shape;
-  const float *qrot, *kcache, *vcache, *bias;
+  const float *qrot;
+  const void *kcache, *vcache;
+  const float *bias;
   float *out;
   int32_t *idx;
   float *e;
@@ -415,18 +420,20 @@ static void attend_task(void *user_data, size_t i) {
   const AttendJob *j = (const AttendJob *)user_data;
   attend_rows(j->shape, j->qrot, j->kcache, j->vcache, j->bias, j->out,
               j->units * (int64_t)i / j->tasks, j->units * ((int64_t)i + 1) / j->tasks,
-              j->idx + (int64_t)i * j->scratch, j->e + (int64_t)i * j->scratch);
+              j->idx + (int64_t)i * j->scratch, j->e + (int64_t)i * (j->scratch + j->shape->D));
 }
 
-enum { A_Q, A_K, A_V, A_PAST_K, A_PAST_V, A_COS, A_SIN, A_POS, A_BIAS, A_INPUTS };
+enum { A_Q, A_K, A_V, A_PAST_K, A_PAST_V, A_COS, A_SIN, A_POS, A_BIAS, A_INPUTS,
+       A_K_SCALE = A_INPUTS, A_V_SCALE, A_INPUTS_INT8 };
 
 static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ctx) {
   const AttendKernel *k = (const AttendKernel *)kernel;
   const OrtApi *api = k->api;
   const int64_t H = k->H, Hk = k->Hk;
-  const OrtValue *in[A_INPUTS];
+  const size_t inputs = k->int8 ? A_INPUTS_INT8 : A_INPUTS;
+  const OrtValue *in[A_INPUTS_INT8];
   OrtStatus *st;
-  for (size_t i = 0; i < A_INPUTS; i++) {
+  for (size_t i = 0; i < inputs; i++) {
     in[i] = NULL;
     if ((st = api->KernelContext_GetInput(ctx, i, &in[i])) != NULL) return st;
     if (in[i] == NULL && i != A_K && i != A_V)
@@ -437,7 +444,7 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
     return attend_error(api, ORT_INVALID_ARGUMENT, "key and value come both or neither");
 
   int64_t *q = NULL, *kd = NULL, *vd = NULL, *cache = NULL, *vcache = NULL, *cs = NULL,
-          *sn = NULL, *pos = NULL, *bias = NULL;
+          *sn = NULL, *pos = NULL, *bias = NULL, *ks = NULL, *vs = NULL;
   float *qrot = NULL, *e = NULL;
   int32_t *idx = NULL;
   AttendShape a = {0};
@@ -449,10 +456,12 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
       (st = shape_of(api, in[A_POS], "position_ids", 2, &pos)) != NULL ||
       (st = shape_of(api, in[A_BIAS], "attention_bias", 4, &bias)) != NULL ||
       (!packed && (st = shape_of(api, in[A_K], "key", 3, &kd)) != NULL) ||
-      (!packed && (st = shape_of(api, in[A_V], "value", 3, &vd)) != NULL))
+      (!packed && (st = shape_of(api, in[A_V], "value", 3, &vd)) != NULL) ||
+      (k->int8 && (st = shape_of(api, in[A_K_SCALE], "k_scale", 3, &ks)) != NULL) ||
+      (k->int8 && (st = shape_of(api, in[A_V_SCALE], "v_scale", 3, &vs)) != NULL))
     goto done;
   const int64_t S = q[1], D = cache[3], T = bias[3];
-  a = (AttendShape){S, H, Hk, D, cs[1], T - S, cache[2], k->scale, k->softcap};
+  a = (AttendShape){S, H, Hk, D, cs[1], T - S, cache[2], k->scale, k->softcap, NULL, NULL};
   const int64_t width = packed ? (H + 2 * Hk) * D : H * D;
 #define ATTEND_CHECK(cond, ...)                                 \
   if (!(cond)) {                                                \
@@ -473,6 +482,9 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   ATTEND_CHECK(sn[0] == cs[0] && sn[1] == cs[1] && 2 * cs[1] <= D,
                "cos_cache and sin_cache must be [positions, rotary half <= D/2]");
   ATTEND_CHECK(pos[0] == 1 && pos[1] == S, "position_ids must be [1, S]");
+  ATTEND_CHECK(!k->int8 || (ks[0] == Hk && ks[1] == 1 && ks[2] == D && vs[0] == Hk &&
+                            vs[1] == 1 && vs[2] == D),
+               "k_scale and v_scale must be [kv_num_heads, 1, D]");
   ATTEND_CHECK(bias[0] == 1 && bias[1] == 1 && bias[2] == S && T >= S && T <= a.max,
                "attention_bias must be [1, 1, S, past + S] with past + S <= the cache length");
   const int64_t *positions;
@@ -485,7 +497,11 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
       (st = api->GetTensorMutableData((OrtValue *)in[A_COS], &pcos)) != NULL ||
       (st = api->GetTensorMutableData((OrtValue *)in[A_SIN], &psin)) != NULL ||
       (st = api->GetTensorMutableData((OrtValue *)in[A_POS], (void **)&positions)) != NULL ||
-      (st = api->GetTensorMutableData((OrtValue *)in[A_BIAS], &pbias)) != NULL)
+      (st = api->GetTensorMutableData((OrtValue *)in[A_BIAS], &pbias)) != NULL ||
+      (k->int8 && (st = api->GetTensorMutableData((OrtValue *)in[A_K_SCALE],
+                                                  (void **)&a.kscale)) != NULL) ||
+      (k->int8 && (st = api->GetTensorMutableData((OrtValue *)in[A_V_SCALE],
+                                                  (void **)&a.vscale)) != NULL))
     goto done;
   for (int64_t s = 0; s < S; s++)
     ATTEND_CHECK(positions[s] >= 0 && positions[s] < cs[0],
@@ -503,7 +519,7 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
     goto done;
   /* The runtime binds one buffer as past and present (written in place); otherwise the
      present starts as a copy of the past. */
-  const size_t cache_bytes = (size_t)(Hk * a.max * D) * sizeof(float);
+  const size_t cache_bytes = (size_t)(Hk * a.max * D) * (k->int8 ? 1 : sizeof(float));
   if (ppresk != ppk) memcpy(ppresk, ppk, cache_bytes);
   if (ppresv != ppv) memcpy(ppresv, ppv, cache_bytes);
   if (S == 0) goto done;
@@ -515,7 +531,7 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   if (tasks < 1) tasks = 1;
   qrot = (float *)malloc((size_t)(units * D) * sizeof(float));
   idx = (int32_t *)malloc((size_t)(tasks * scratch) * sizeof(int32_t));
-  e = (float *)malloc((size_t)(tasks * scratch) * sizeof(float));
+  e = (float *)malloc((size_t)(tasks * (scratch + D)) * sizeof(float));
   if (qrot == NULL || idx == NULL || e == NULL) {
     st = attend_error(api, ORT_FAIL, "out of memory");
     goto done;
@@ -523,10 +539,9 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   const float *fq = (const float *)pq;
   attend_prepare(&a, fq, q[2], packed ? fq + H * D : (const float *)pk, packed ? q[2] : Hk * D,
                  packed ? fq + (H + Hk) * D : (const float *)pv, packed ? q[2] : Hk * D,
-                 positions, (const float *)pcos, (const float *)psin, qrot, (float *)ppresk,
-                 (float *)ppresv);
-  AttendJob job = {&a, qrot, (const float *)ppresk, (const float *)ppresv,
-                   (const float *)pbias, (float *)pout, idx, e, units, tasks, scratch};
+                 positions, (const float *)pcos, (const float *)psin, qrot, ppresk, ppresv, e);
+  AttendJob job = {&a, qrot, ppresk, ppresv, (const float *)pbias, (float *)pout, idx, e,
+                   units, tasks, scratch};
   if (tasks == 1)
     attend_task(&job, 0);
   else
@@ -542,6 +557,8 @@ done:
   free(sn);
   free(pos);
   free(bias);
+  free(ks);
+  free(vs);
   free(qrot);
   free(idx);
   free(e);
@@ -549,17 +566,22 @@ done:
 }
 
 static const char *ORT_API_CALL attend_name(const OrtCustomOp *op) {
-  (void)op;
-  return ATTEND_NAME;
+  return op == &g_attend_int8 ? ATTEND_NAME_INT8 : ATTEND_NAME;
 }
 static size_t ORT_API_CALL attend_input_count(const OrtCustomOp *op) {
-  (void)op;
-  return A_INPUTS;
+  return op == &g_attend_int8 ? A_INPUTS_INT8 : A_INPUTS;
 }
 static ONNXTensorElementDataType ORT_API_CALL attend_input_type(const OrtCustomOp *op,
                                                                 size_t i) {
-  (void)op;
-  return i == A_POS ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  if (i == A_POS) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+  if ((i == A_PAST_K || i == A_PAST_V) && op == &g_attend_int8)
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+}
+static ONNXTensorElementDataType ORT_API_CALL attend_output_type(const OrtCustomOp *op,
+                                                                 size_t i) {
+  return i > 0 && op == &g_attend_int8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8
+                                       : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static size_t ORT_API_CALL attend_output_count(const OrtCustomOp *op) {
   (void)op;
@@ -576,18 +598,22 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL attend_input_required(
  * attention with GroupQueryAttention's inputs: query [1,S,H*D] (or q, k and v packed when
  * key and value are omitted), the caches [1,Hk,max,D] written in place at slots past..past+S-1
  * (past = T - S), attention_bias [1,1,S,T]. Attributes num_heads, kv_num_heads (int64), scale
- * and the optional softcap (float). */
-static const OrtCustomOp g_attend = {
-    .version = EDGESPEC_ORT_API_VERSION, .GetName = attend_name,
-    .GetExecutionProviderType = op_provider, .GetInputType = attend_input_type,
-    .GetInputTypeCount = attend_input_count, .GetOutputType = op_output_type,
-    .GetOutputTypeCount = attend_output_count, .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = attend_input_required, .GetOutputCharacteristic = op_required,
-    .GetInputMemoryType = op_input_memory, .GetVariadicInputMinArity = op_one,
-    .GetVariadicInputHomogeneity = op_one, .GetVariadicOutputMinArity = op_one,
-    .GetVariadicOutputHomogeneity = op_one, .CreateKernelV2 = attend_create,
-    .KernelComputeV2 = attend_compute,
-};
+ * and the optional softcap (float). AttentionInt8: the caches are int8 codes, with two more
+ * inputs k_scale and v_scale [kv_num_heads, 1, D] (float). */
+#define ATTEND_OP                                                                           \
+  {                                                                                         \
+    .version = EDGESPEC_ORT_API_VERSION, .GetName = attend_name,                            \
+    .GetExecutionProviderType = op_provider, .GetInputType = attend_input_type,             \
+    .GetInputTypeCount = attend_input_count, .GetOutputType = attend_output_type,           \
+    .GetOutputTypeCount = attend_output_count, .KernelDestroy = destroy_kernel,             \
+    .GetInputCharacteristic = attend_input_required, .GetOutputCharacteristic = op_required, \
+    .GetInputMemoryType = op_input_memory, .GetVariadicInputMinArity = op_one,              \
+    .GetVariadicInputHomogeneity = op_one, .GetVariadicOutputMinArity = op_one,             \
+    .GetVariadicOutputHomogeneity = op_one, .CreateKernelV2 = attend_create,                \
+    .KernelComputeV2 = attend_compute,                                                      \
+  }
+static const OrtCustomOp g_attend = ATTEND_OP;
+static const OrtCustomOp g_attend_int8 = ATTEND_OP;
 
 /* ---- entry point ---- */
 
@@ -613,5 +639,6 @@ EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *opt
   if ((st = api->CustomOpDomain_Add(domain, &g_op)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_op_half)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend)) != NULL) return st;
+  if ((st = api->CustomOpDomain_Add(domain, &g_attend_int8)) != NULL) return st;
   return api->AddCustomOpDomain(options, domain);
 }

@@ -3,9 +3,10 @@
 Greedy speculative decoding is token-for-token equal to autoregressive decoding only if
 the target's logits for a token are the same whether the token is fed alone (an AR step),
 inside a chain of S tokens (a verify pass), or last in a prefill that scores its last
-rows only (`forward(..., last=True)`, which draws the first token). Tree passes are not
-(ONNX Runtime's CPU attention), which is why tree decoding verifies the path a tree pass
-picks by a chain pass (spec.decode.tree_decode). This module feeds the same tokens every
+rows only (`forward(..., last=True)`, which draws the first token). Tree passes are
+with edgespec's own attention op and not with ONNX Runtime's CPU attention, which is why
+tree decoding verifies the path a tree pass picks by a chain pass on such targets
+(spec.decode.tree_decode, `DecoderSession.exact_trees`). This module feeds the same tokens every
 way (alone, in chains, last in a prefill, along one path of a tree) after the same prefix
 and reports the largest difference per way; 0.0 is bitwise batch invariance. Tests and
 tools/probe_batch_invariance.py use it on real bundles.
