@@ -681,7 +681,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     `own_kernel` runs block-of-32 4/8-bit codes on edgespec's CPU kernel (blockq_ops);
     None: on the cpu profile with int8 activations (accuracy_level 4) where this
     installation has the library (kernels.for_export). `own_attention` puts attention on
-    its attention op (gqa); None: on the cpu profile where the library is there. Its graphs say so in their metadata (kernels.EXACT_TREES): a token's logits are then
+    its attention op (gqa); None: on the cpu profile where the library is there. Its
+    graphs say so in their metadata (kernels.EXACT_TREES): a token's logits are then
     bitwise the same on a tree branch as in a chain, so trees need no second pass.
     """
     g = GraphBuilder(precision, block_size, accuracy_level, dtype,
