@@ -31,7 +31,9 @@ class Model(Protocol):
     """A decoder that appends `ids` after its cached prefix and returns their logits.
 
     `positions` and `bias` ([1, 1, S, past + S], 0 or -inf) let one call feed a token
-    tree: nodes at their depths, each seeing only its ancestors.
+    tree: nodes at their depths, each seeing only its ancestors. A model whose tree rows
+    are bitwise its chain rows says so with `exact_trees = True` and its cache then has
+    `compact(start, slots)` (see decode.tree_decode).
     """
 
     cache: Cache
