@@ -16,9 +16,9 @@ static int64_t open_keys(const AttendShape *a, const float *bias_row, int64_t s,
     return n;
 }
 
-static float fold8(float *lanes) {
-    for (int l = 0; l < 4; ++l) lanes[l] += lanes[l + 4];
-    return (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
+/* ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): what AVX2's horizontal adds give. */
+static float fold8(const float *l) {
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
 /* A raw dot product taken to a score: scaled, soft-capped, biased. */
@@ -69,11 +69,20 @@ static void row_portable(const AttendShape *a, const float *q, const void *K, co
 #ifdef EDGESPEC_X86
 EXP_SIMD(256, AVX2)
 
-/* fold8 on a vector: (l + l+4), then (l + l+2), then (l + l+1). */
+/* fold8 on a vector. */
 AVX2 INLINE float fold_256(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+    const __m256 h = _mm256_hadd_ps(v, v);
+    const __m256 q = _mm256_hadd_ps(h, h); /* lane 0: (l0+l1)+(l2+l3), lane 4: (l4+l5)+(l6+l7) */
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+}
+
+/* fold8 of eight vectors at once, as the eight lanes of one (a transposing reduction). */
+AVX2 INLINE __m256 fold8_256(const __m256 *a) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    /* u0 = [a0 a1 a2 a3 of l0..l3 | a0 a1 a2 a3 of l4..l7], u1 the same for a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 /* 8 cache elements from `at` as floats (int8 codes converted). */
@@ -108,30 +117,18 @@ AVX2 INLINE void row_avx2(const AttendShape *a, const float *q, const void *K, c
                           const float *vscale, int int8, const float *bias,
                           const int32_t *idx, int64_t n, float *e, float *out) {
     const int64_t D = a->D;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) { /* four keys at once: four independent chains */
-        const void *k0 = slot(K, idx[i], D, int8), *k1 = slot(K, idx[i + 1], D, int8),
-                   *k2 = slot(K, idx[i + 2], D, int8), *k3 = slot(K, idx[i + 3], D, int8);
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < n; i += 8) { /* eight keys at once (the last block's repeated) */
+        const void *k[8];
+        for (int j = 0; j < 8; ++j) k[j] = slot(K, idx[i + j < n ? i + j : n - 1], D, int8);
+        __m256 acc[8];
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
             const __m256 x = _mm256_loadu_ps(q + d);
-            a0 = _mm256_fmadd_ps(x, load_256(k0, d, int8), a0);
-            a1 = _mm256_fmadd_ps(x, load_256(k1, d, int8), a1);
-            a2 = _mm256_fmadd_ps(x, load_256(k2, d, int8), a2);
-            a3 = _mm256_fmadd_ps(x, load_256(k3, d, int8), a3);
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(x, load_256(k[j], d, int8), acc[j]);
         }
-        e[i] = fold_256(a0);
-        e[i + 1] = fold_256(a1);
-        e[i + 2] = fold_256(a2);
-        e[i + 3] = fold_256(a3);
+        _mm256_storeu_ps(e + i, fold8_256(acc)); /* e has room for n rounded up to 8 */
     }
-    for (; i < n; ++i) {
-        const void *k = slot(K, idx[i], D, int8);
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8)
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_256(k, d, int8), acc);
-        e[i] = fold_256(acc);
-    }
+    int64_t i;
     float top = -INFINITY;
     for (i = 0; i < n; ++i) {
         e[i] = score(a, e[i], bias[idx[i]]);
