@@ -176,13 +176,6 @@ static void rotate(const float *x, float *y, int64_t D, int64_t half, const floa
     for (int64_t i = 2 * half; i < D; ++i) y[i] = x[i];
 }
 
-/* x / scale rounded half to even (the 1.5 * 2^23 trick, after clamping) to an int8 code. */
-static int8_t code_of(float x, float scale) {
-    float r = x / scale;
-    r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-    return (int8_t)((r + 12582912.0f) - 12582912.0f);
-}
-
 void attend_prepare(const AttendShape *a, const float *q, int64_t q_stride, const float *k,
                     int64_t k_stride, const float *v, int64_t v_stride, const int64_t *pos,
                     const float *cos, const float *sin, float *qrot, void *kcache,
@@ -203,8 +196,8 @@ void attend_prepare(const AttendShape *a, const float *q, int64_t q_stride, cons
             }
             rotate(k + s * k_stride + g * D, scratch, D, a->half, c, sn);
             for (int64_t d = 0; d < D; ++d) {
-                ((int8_t *)kcache)[at + d] = code_of(scratch[d], a->kscale[g * D + d]);
-                ((int8_t *)vcache)[at + d] = code_of(vs[d], a->vscale[g * D + d]);
+                ((int8_t *)kcache)[at + d] = int8_code(scratch[d] / a->kscale[g * D + d]);
+                ((int8_t *)vcache)[at + d] = int8_code(vs[d] / a->vscale[g * D + d]);
             }
         }
     }

@@ -25,8 +25,7 @@ static void store_block(BlockqRows *rows, int64_t at, float d, int32_t sum) {
     rows->isum[at] = sum;
 }
 
-/* Round to nearest even by the 1.5 * 2^23 trick (exact for |r| <= 2^22; r is clamped to
- * 127 first): what the SIMD paths' rounding instructions do, with no libm call. */
+/* Codes by int8_code (simd.h): the SIMD paths' rounding, with no libm call. */
 static void quantize_portable(const float *x, BlockqRows *rows) {
     const int64_t K = rows->K, nb = K / 32;
     for (int64_t m = 0; m < rows->M; ++m) {
@@ -41,9 +40,7 @@ static void quantize_portable(const float *x, BlockqRows *rows) {
             const float inv = to_codes(peak, &d);
             int32_t sum = 0;
             for (int i = 0; i < 32; ++i) {
-                float r = v[i] * inv;
-                r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
-                q[i] = (int8_t)((r + 12582912.0f) - 12582912.0f);
+                q[i] = int8_code(v[i] * inv);
                 sum += q[i];
             }
             store_block(rows, m * nb + b, d, sum);

@@ -17,6 +17,15 @@
 #define INLINE static inline __attribute__((always_inline))
 #endif
 
+#define ROUNDER 12582912.0f /* 1.5 * 2^23 */
+
+/* r clamped to [-127, 127] and rounded half to even by the 1.5 * 2^23 trick (exact for
+ * |r| <= 2^22): what the SIMD paths' rounding instructions do, with no libm call. */
+static inline int8_t int8_code(float r) {
+    r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+    return (int8_t)((r + ROUNDER) - ROUNDER);
+}
+
 /* exp(x) for x clamped to [-87, 88] (never inf, never subnormal): n = round(x / ln 2),
  * r = x - n ln 2 in two parts, Cephes' degree-6 polynomial for e^r, times 2^n from the
  * exponent bits. Each path runs these very operations (fma for fma), so all agree. */
@@ -25,7 +34,6 @@
 #define LOG2E 1.44269504088896341f
 #define LN2_HI 0.693359375f
 #define LN2_LO -2.12194440e-4f
-#define ROUNDER 12582912.0f /* 1.5 * 2^23 */
 static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                   4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 
