@@ -113,6 +113,30 @@ static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *
 #ifdef EDGESPEC_X86
 #define MAX_ROWS 6
 
+/* The tiles a kernel prefetches while it works on others: `tiles` tiles from `tile`, and of
+ * each block this pass's share of cache lines (`part` of `parts`: the passes over the same
+ * tiles for other rows take the rest), so that the weights of the next tiles stream in
+ * while this tile's are multiplied, evenly over the passes. Measured (2 threads, weights
+ * beyond the L3 cache): 5-row products 1.4-1.6x faster, 17-row 1.25x; results unchanged. */
+typedef struct {
+    int64_t tile, tiles;
+    int part, parts;
+} Ahead;
+
+static inline void prefetch_block(const BlockqWeight *w, const Ahead *a, int64_t nb, int64_t b) {
+    const int64_t block_bytes = GROUPS * 4 * LANES * w->bits / 8, entry = w->half ? 2 : 4;
+    for (int64_t i = 0; i < a->tiles; ++i) {
+        const int64_t at = (a->tile + i) * nb + b;
+        const char *codes = (const char *)(w->codes + at * block_bytes);
+        for (int64_t line = a->part * 64; line < block_bytes; line += 64 * a->parts)
+            __builtin_prefetch(codes + line);
+        if (a->part == 0) {
+            __builtin_prefetch((const char *)w->scales + at * LANES * entry);
+            __builtin_prefetch((const char *)w->offsets + at * LANES * entry);
+        }
+    }
+}
+
 static int32_t four_codes(const BlockqRows *x, int64_t m, int64_t b, int g) {
     int32_t four;
     memcpy(&four, x->q + m * x->K + b * 32 + g * 4, 4);
@@ -129,7 +153,8 @@ VNNI INLINE __m512 table16(const void *table, int half, int64_t at) {
 }
 
 VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, float *y,
-                                int64_t t, int64_t m0, const int T, const int R) {
+                                int64_t t, int64_t m0, const int T, const int R,
+                                const Ahead *ahead) {
     const int64_t N = wt->N, bits = wt->bits, nb = x->K / 32;
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
     const uint8_t *codes = wt->codes;
@@ -141,6 +166,7 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
         __m512i dot[2][MAX_ROWS];
         for (int i = 0; i < T; ++i)
             for (int r = 0; r < R; ++r) dot[i][r] = _mm512_setzero_si512();
+        prefetch_block(wt, ahead, nb, b);
         for (int h = 0; h < GROUPS / 2; ++h) { /* 64 bytes: groups 2h and 2h+1 */
             __m512i w[2][2];
             for (int i = 0; i < T; ++i) {
@@ -198,7 +224,7 @@ AVX2 INLINE __m256 table8(const void *table, int half, int64_t at) {
 }
 
 AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, float *y,
-                                int64_t t, int64_t m0, const int R) {
+                                int64_t t, int64_t m0, const int R, const Ahead *ahead) {
     const int64_t N = wt->N, bits = wt->bits, nb = x->K / 32;
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
     const uint8_t *codes = wt->codes;
@@ -207,6 +233,7 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *block = codes + (t * nb + b) * block_bytes;
+        prefetch_block(wt, ahead, nb, b);
         __m256i dot[2][2];
         for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
         for (int h = 0; h < GROUPS / 2; ++h) {
@@ -246,7 +273,7 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
 }
 
 #define VNNI_CASE(T, n) \
-    case n: tile_rows_vnni(x, w, y, t, m0, T, n); break;
+    case n: tile_rows_vnni(x, w, y, t, m0, T, n, &ahead); break;
 #define VNNI_SWITCH(T, rows)                                                   \
     switch (rows) {                                                            \
         VNNI_CASE(T, 1) VNNI_CASE(T, 2) VNNI_CASE(T, 3) VNNI_CASE(T, 4)        \
@@ -260,6 +287,8 @@ VNNI static void columns_vnni(const BlockqRows *x, const BlockqWeight *w, float 
     for (int64_t t = t0; t < t1; t += 2) {
         for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
             const int64_t rows = (M - m0) / (chunks - c);
+            const int64_t left = t1 - t - 2;
+            const Ahead ahead = {t + 2, left < 0 ? 0 : (left < 2 ? left : 2), (int)c, (int)chunks};
             if (t + 1 < t1) {
                 VNNI_SWITCH(2, rows)
             } else {
@@ -272,11 +301,17 @@ VNNI static void columns_vnni(const BlockqRows *x, const BlockqWeight *w, float 
 
 AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
                               int64_t t1) {
+    const int parts = (int)((x->M + 1) / 2);
     for (int64_t t = t0; t < t1; ++t) {
         int64_t m0 = 0;
-        for (; m0 + 2 <= x->M; m0 += 2)
-            tile_rows_avx2(x, w, y, t, m0, 2);
-        if (m0 < x->M) tile_rows_avx2(x, w, y, t, m0, 1);
+        for (; m0 + 2 <= x->M; m0 += 2) {
+            const Ahead ahead = {t + 1, t + 1 < t1, (int)(m0 / 2), parts};
+            tile_rows_avx2(x, w, y, t, m0, 2, &ahead);
+        }
+        if (m0 < x->M) {
+            const Ahead ahead = {t + 1, t + 1 < t1, parts - 1, parts};
+            tile_rows_avx2(x, w, y, t, m0, 1, &ahead);
+        }
     }
 }
 
