@@ -37,12 +37,14 @@
 /* Column tiles are handed out in at most TASKS_PER_CPU ranges per online CPU (the pool takes
  * them dynamically, so a few per thread even out uneven threads), and no range is given
  * less than about MIN_TASK_MACS multiply-adds so that small products stay on one thread.
- * Measured on SmolLM2 (tools/bench_verify_cost.py, 2 threads): 2^18 made the draft head's
- * step 1.5-2x slower (waking the pool's other thread for every small product), 2^22 the
- * target's step 1.4x slower; 2^20 (~7 us of work) costs neither. */
+ * Measured on SmolLM2 (2 threads, the variants' libraries loaded side by side in one
+ * process, interleaved): since the kernel prefetches, 2^18 makes the target's one-token
+ * step 0.83-0.92x as long as 2^20 did (whose q/k/v, o and down products ran on one thread
+ * at M = 1, and two threads stream weights faster), longer passes and the draft head's
+ * step the same within the noise; 2^22 had made the step 1.4x slower. */
 #define TASKS_PER_CPU 4
 #ifndef MIN_TASK_MACS
-#define MIN_TASK_MACS ((int64_t)1 << 20)
+#define MIN_TASK_MACS ((int64_t)1 << 18)
 #endif
 
 typedef struct {
