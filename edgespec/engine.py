@@ -26,6 +26,7 @@ from edgespec.runtimes.providers import PROVIDER
 from edgespec.spec import (
     GenerationStats,
     HeadDrafter,
+    HeadTreeDrafter,
     HybridDrafter,
     LookupDrafter,
     ModelDrafter,
@@ -284,6 +285,10 @@ class Engine:
             copies = 4 if head_chains else 0
         return replace(config, mode=mode, draft_tokens=gamma, lookup_tokens=copies)
 
+    def _head_drafter(self, config: GenerationConfig) -> HeadDrafter:
+        return HeadDrafter(self.draft, self.target, self.kept, self.manifest.target.vocab_size,
+                           config.stop_rule, config.stop_threshold)
+
     def _config(self, config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
         config = self.resolve(config or GenerationConfig(**kwargs))
         config.validate(self.draft is not None)
@@ -377,12 +382,11 @@ class Engine:
                      if config.logprobs is not None else None)
         if config.mode == "ar":
             steps = ar_decode(self.target, ids, config.sampling, rng, stats, on_logits)
-        elif config.mode == "spec" and config.tree_budget and self.head:
-            raise EdgespecError("this bundle's draft is an EAGLE head, which drafts chains "
-                                "for now; leave out --tree-budget.")
         elif config.mode == "spec" and config.tree_budget:
-            drafter = TreeDrafter(self.draft, config.tree_top_k, config.tree_depth,
-                                  config.tree_best_first, config.tree_lookup)
+            drafter = (HeadTreeDrafter(self._head_drafter(config), config.tree_top_k,
+                                       config.tree_depth, config.tree_lookup) if self.head
+                       else TreeDrafter(self.draft, config.tree_top_k, config.tree_depth,
+                                        config.tree_best_first, config.tree_lookup))
             steps = tree_decode(self.target, drafter, ids, config.sampling, config.tree_budget,
                                 rng, stats, on_logits)
         else:
@@ -390,8 +394,7 @@ class Engine:
             if config.mode == "lookup":
                 drafter = LookupDrafter(vocab)
             elif self.head:
-                drafter = HeadDrafter(self.draft, self.target, self.kept, vocab,
-                                      config.stop_rule, config.stop_threshold)
+                drafter = self._head_drafter(config)
                 if config.lookup_tokens:
                     drafter = HybridDrafter(drafter, config.lookup_tokens)
             else:

@@ -13,10 +13,12 @@ import pytest
 from edgespec.spec import (
     GenerationStats,
     HeadDrafter,
+    HeadTreeDrafter,
     HybridDrafter,
     SamplingParams,
     ar_decode,
     chain_decode,
+    tree_decode,
 )
 from tests.test_spec import (
     PARAMS,
@@ -24,6 +26,7 @@ from tests.test_spec import (
     ToyCache,
     V,
     accept_all_chain,
+    accept_all_tree,
     assert_matches,
     exact_distribution,
     tables,
@@ -123,6 +126,97 @@ def test_a_head_reads_the_last_window_of_a_long_prompt(seed):
     assert got == want
     assert drafter.skipped == len(prompt) - 5
     assert head.tokens[:5] == [*prompt[-4:], want[0]]
+
+
+class MovingCache(ToyCache):
+    """A cache whose compaction moves the model's tokens, and so its states, with it."""
+
+    def __init__(self, model: MarkovModel):
+        super().__init__()
+        self.model = model
+
+    def compact(self, start: int, slots: list[int]) -> None:
+        seen = self.model.seen
+        seen[start:start + len(slots)] = [seen[s] for s in slots]
+        self.length = start + len(slots)
+
+
+class ExactFeatureMarkov(FeatureMarkov):
+    """Tree rows are chain rows (edgespec's own attention): tree decoding decides from the
+    tree pass and compacts the cache, the target's states with it."""
+
+    exact_trees = True
+
+    def __init__(self, table: np.ndarray, max_len: int):
+        super().__init__(table, max_len)
+        self.cache = MovingCache(self)
+
+
+def head_tree_run(target_table, draft_table, params, rng, exact, stats=None, top_k=2, depth=3,
+                  kept=KEPT):
+    target = (ExactFeatureMarkov if exact else FeatureMarkov)(target_table, 200)
+    drafter = HeadTreeDrafter(HeadDrafter(ToyHead(draft_table, kept), target, kept, V), top_k,
+                              depth)
+    return tree_decode(target, drafter, [2, 0], params, top_k * depth, rng,
+                       stats or GenerationStats("spec"))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("exact", [False, True])
+def test_greedy_head_tree_equals_greedy_ar(seed, exact):
+    """The head's chain and its runners-up, verified in one tree pass (exact: decided
+    there, the target's states compacted with its cache, which ToyHead checks) or
+    re-verified by a chain pass: greedy output is AR's."""
+    target_table, draft_table = tables(seed)
+    rng = np.random.default_rng(0)
+    greedy = SamplingParams(0.0)
+    ar = take(ar_decode(MarkovModel(target_table), [2, 0], greedy, rng, GenerationStats("ar")),
+              30)
+    assert take(head_tree_run(target_table, draft_table, greedy, rng, exact), 30) == ar
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_a_head_tree_takes_the_heads_runner_up(exact):
+    """A head whose first choice is always the target's second and whose second is the
+    target's first: its chains are never accepted, its trees once every pass (the
+    runner-up at depth 1), one target pass a step where the target's trees are exact."""
+    target_table, _ = tables(3)
+    order = np.argsort(-target_table, axis=1)
+    swapped = target_table.copy()
+    rows = np.arange(V)
+    swapped[rows, order[:, 0]], swapped[rows, order[:, 1]] = (target_table[rows, order[:, 1]],
+                                                              target_table[rows, order[:, 0]])
+    rng, greedy, kept = np.random.default_rng(0), SamplingParams(0.0), np.arange(V)
+    ar = take(ar_decode(MarkovModel(target_table), [2, 0], greedy, rng, GenerationStats("ar")),
+              30)
+    chain, tree = GenerationStats("spec"), GenerationStats("spec")
+    assert take(head_run(target_table, swapped, greedy, 1, rng, kept=kept, stats=chain), 30) == ar
+    assert chain.accepted == 0
+    assert take(head_tree_run(target_table, swapped, greedy, rng, exact, tree, kept=kept),
+                30) == ar
+    steps = tree.draft_passes // 3  # three head passes (depths) a step
+    assert tree.accepted == steps and tree.target_passes == (1 if exact else 2) * steps + 1
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_head_tree_sampling_preserves_sequence_distribution(exact):
+    target_table, draft_table = tables(1)
+    rng = np.random.default_rng(7)
+    samples = [tuple(take(head_tree_run(target_table, draft_table, SamplingParams(0.8), rng,
+                                        exact), 3)) for _ in range(6000)]
+    assert_matches(samples, exact_distribution(target_table, 0, 3, SamplingParams(0.8)))
+
+
+def test_a_wrong_verifier_fails_the_head_tree_distribution_test(monkeypatch):
+    import edgespec.spec.decode as decode
+
+    monkeypatch.setattr(decode, "verify_tree", accept_all_tree)
+    target_table, draft_table = tables(1)
+    rng = np.random.default_rng(7)
+    samples = [tuple(take(head_tree_run(target_table, draft_table, SamplingParams(0.8), rng,
+                                        True), 3)) for _ in range(6000)]
+    with pytest.raises(AssertionError):
+        assert_matches(samples, exact_distribution(target_table, 0, 3, SamplingParams(0.8)))
 
 
 def hybrid_run(target_table, draft_table, params, rng, stats, prompt=(0, 1, 2, 0, 1, 2, 0)):
@@ -673,6 +767,35 @@ def test_smollm2_head_greedy_equals_ar_and_is_accepted(smollm2):
             passes += spec.stats.target_passes - 1  # the prefill drafts nothing
             tokens += spec.stats.new_tokens - 1
         assert tokens / passes > HEAD_TOKENS_PER_PASS
+
+
+def test_smollm2_head_trees_equal_ar_and_take_runners_up(smollm2):
+    """--tree-budget with the head: its chain and runners-up in one exact tree pass, the
+    target's states compacted with its cache for the head's next read (after a tree
+    generation they are bitwise those of reading its tokens in one pass). Greedy output
+    is AR's, and four candidates a step commit more per pass than the head's one."""
+    import edgespec
+
+    with edgespec.load(smollm2) as engine:
+        assert engine.target.exact_trees
+        per_pass = {"chain": [0, 0], "tree": [0, 0]}
+        for messages in held_out_chat(4):
+            ids = engine.tokenizer.encode_chat(messages)
+            ar = engine.generate(ids, max_new_tokens=48, temperature=0, mode="ar")
+            for kind, extra in (("chain", {"draft_tokens": 1}),
+                                ("tree", {"tree_budget": 4, "tree_top_k": 4, "tree_depth": 1})):
+                out = engine.generate(ids, max_new_tokens=48, temperature=0, mode="spec",
+                                      lookup_tokens=0, **extra)
+                assert out.token_ids == ar.token_ids
+                per_pass[kind][0] += out.stats.new_tokens - 1
+                per_pass[kind][1] += out.stats.target_passes - 1
+        fed = ids + out.token_ids[:-1]  # the last tree generation's, its last token unfed
+        kept = engine.target.features[:len(fed)].copy()
+        engine.target.cache.reset()
+        engine.target.forward(fed)
+        assert np.array_equal(kept, engine.target.features[:len(fed)])
+    chain, tree = (n / passes for n, passes in per_pass.values())
+    assert tree > chain + 0.1
 
 
 def test_smollm2_copies_code_it_repeats_and_stays_ar(smollm2):

@@ -52,6 +52,9 @@ class KVCache:
                              ort.OrtValue.ortvalue_from_numpy(v)) for k, v in self.arrays]
         self.max_len = max_len
         self.length = 0
+        # arrays indexed by slot on their first axis that compact() moves with the entries
+        # (a target's final states, which a draft head reads by slot)
+        self.riders: list[np.ndarray] = []
 
     def trim(self, n: int) -> None:
         """Forget the last `n` positions (speculative rollback, chat edits)."""
@@ -69,6 +72,8 @@ class KVCache:
             for k, v in self.arrays:
                 k[:, :, start:start + len(slots)] = k[:, :, slots]
                 v[:, :, start:start + len(slots)] = v[:, :, slots]
+            for rider in self.riders:
+                rider[start:start + len(slots)] = rider[slots]
         self.length = start + len(slots)
 
     def bind(self, binding: ort.IOBinding) -> None:
@@ -278,6 +283,8 @@ class DecoderSession:
         self.scores_from = "logits_from" in {i.name for i in self.session.get_inputs()}
         if self.hidden is not None and not self.is_head:
             self.features = np.zeros((self.max_len + 1, entry.hidden_size), np.float32)
+            if hasattr(self.cache, "riders"):
+                self.cache.riders.append(self.features)
         # a tree pass's rows bitwise its chain's (edgespec's own attention), on a cache
         # that can be compacted: tree decoding then needs one pass a step (tree_decode)
         self.exact_trees = (self.session.get_modelmeta().custom_metadata_map.get(

@@ -139,12 +139,16 @@ class HeadDrafter:
         self.head.cache.reset()
         self.known = self.skipped = 0
 
-    def propose(self, tokens, n, params, rng, stats):
+    def unread(self, tokens: list[int]) -> tuple[list[int], np.ndarray]:
+        """The pairs the head has not read yet: the tokens after its cache (the last one,
+        unfed to the target, included) and the target's states before each."""
         if self.head.cache.length == 0:
             self.skipped = max(0, len(tokens) - 1 - self.window)
         start = self.head.cache.length + self.skipped
-        ids = tokens[start + 1:]
-        states = self.target.features[start:len(tokens) - 1]
+        return tokens[start + 1:], self.target.features[start:len(tokens) - 1]
+
+    def propose(self, tokens, n, params, rng, stats):
+        ids, states = self.unread(tokens)
         proposals: list[int] = []
         q_rows: list[np.ndarray] = []
         for _ in range(n):
@@ -314,6 +318,63 @@ class TreeDrafter:
                                      room)
         else:
             tree = expand(root, step, self.top_k, depth, budget)
+        tree.graft(chain)
+        return tree
+
+
+class HeadTreeDrafter:
+    """An EAGLE head's chain with its runners-up as a token tree.
+
+    At each depth the head's `top_k` tokens become siblings and its best one is drafted
+    on, the head feeding back its own predicted state as in HeadDrafter's chains: `depth`
+    head passes of one token, no tree pass of the head. The target verifies every node in
+    one tree pass (decode.tree_decode), so where the head's first choice is wrong its
+    second or third can still be taken (SmolLM2's head, chat and code, greedy: the
+    target's next token is its first choice 34% of the time, among its first four 60%).
+    The chain is fed first and the runners-up after it, so that a path along the chain
+    needs no cache compaction. `lookup_tokens` > 0 grafts that many prompt-lookup tokens
+    as an extra branch.
+    """
+
+    def __init__(self, head: HeadDrafter, top_k: int = 3, depth: int = 4,
+                 lookup_tokens: int = 0):
+        self.head = head
+        self.top_k, self.depth, self.lookup_tokens = top_k, depth, lookup_tokens
+
+    def reset(self) -> None:
+        self.head.reset()
+
+    def rollback(self) -> None:
+        self.head.rollback(0)
+
+    def propose_tree(self, tokens: list[int], budget: int, params: SamplingParams,
+                     stats: GenerationStats) -> DraftTree:
+        head = self.head
+        temperature = 1.0 if params.greedy else params.temperature
+        chain = (lookup(np.asarray(tokens), min(self.lookup_tokens, budget, self.depth), 3)
+                 if self.lookup_tokens else [])
+        budget -= len(chain)  # the grafted branch must fit the budget too
+        tree = DraftTree()
+        ids, states = head.unread(tokens)
+        parent, score = -1, 0.0
+        runners_up: list[tuple[int, int, float]] = []  # fed after the chain
+        for depth in range(self.depth):
+            k = min(self.top_k, budget - len(tree) - len(runners_up))
+            if k <= 0:
+                break
+            stats.draft_passes += 1
+            logits, predicted = head.head.forward_head(ids, states)
+            if depth == 0:
+                head.known = head.head.cache.length
+            logprobs, best = top_logprobs(logits[-1:], k, temperature)
+            ranked = [(int(head.kept[b]), parent, score + float(lp))
+                      for lp, b in zip(logprobs[0], best[0], strict=True)]
+            runners_up += ranked[1:]
+            parent = tree.add(*ranked[0])
+            score = tree.scores[parent]
+            ids, states = [tree.tokens[parent]], predicted[-1:]
+        for node in runners_up:
+            tree.add(*node)
         tree.graft(chain)
         return tree
 
