@@ -154,8 +154,8 @@ VNNI INLINE __m512 table16(const void *table, int half, int64_t at) {
 
 VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, float *y,
                                 int64_t t, int64_t m0, const int T, const int R,
-                                const Ahead *ahead) {
-    const int64_t N = wt->N, bits = wt->bits, nb = x->K / 32;
+                                const Ahead *ahead, const int64_t bits, const int half) {
+    const int64_t N = wt->N, nb = x->K / 32;
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
     const uint8_t *codes = wt->codes;
     const __m512i low = _mm512_set1_epi8(0x0F);
@@ -190,8 +190,8 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
         }
         for (int i = 0; i < T; ++i) {
             const int64_t at = ((t + i) * nb + b) * LANES;
-            const __m512 s = table16(wt->scales, wt->half, at);
-            const __m512 o = table16(wt->offsets, wt->half, at);
+            const __m512 s = table16(wt->scales, half, at);
+            const __m512 o = table16(wt->offsets, half, at);
             for (int r = 0; r < R; ++r) {
                 const int64_t row = (m0 + r) * nb + b;
                 const __m512 d = _mm512_mul_ps(s, _mm512_set1_ps(x->d[row]));
@@ -272,31 +272,46 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
             _mm256_storeu_ps(y + (m0 + r) * N + t * LANES + half * 8, acc[r][half]);
 }
 
-#define VNNI_CASE(T, n) \
-    case n: tile_rows_vnni(x, w, y, t, m0, T, n, &ahead); break;
-#define VNNI_SWITCH(T, rows)                                                   \
-    switch (rows) {                                                            \
-        VNNI_CASE(T, 1) VNNI_CASE(T, 2) VNNI_CASE(T, 3) VNNI_CASE(T, 4)        \
-        VNNI_CASE(T, 5) VNNI_CASE(T, 6)                                        \
+#define VNNI_CASE(T, n, B, H) \
+    case n: tile_rows_vnni(x, w, y, t, m0, T, n, &ahead, B, H); break;
+#define VNNI_SWITCH(T, rows, B, H)                                                       \
+    switch (rows) {                                                                      \
+        VNNI_CASE(T, 1, B, H) VNNI_CASE(T, 2, B, H) VNNI_CASE(T, 3, B, H)                \
+        VNNI_CASE(T, 4, B, H) VNNI_CASE(T, 5, B, H) VNNI_CASE(T, 6, B, H)                \
     }
+
+/* columns_vnni for one code width and table type, both constants in its inner loops. */
+#define COLUMNS_VNNI(BITS, HALF)                                                              \
+    VNNI static void columns_vnni_##BITS##_##HALF(const BlockqRows *x, const BlockqWeight *w, \
+                                                  float *y, int64_t t0, int64_t t1) {         \
+        /* rows in near-equal chunks of at most MAX_ROWS (17 -> 5, 6, 6) */                  \
+        const int64_t M = x->M, chunks = (M + MAX_ROWS - 1) / MAX_ROWS;                      \
+        for (int64_t t = t0; t < t1; t += 2) {                                                \
+            for (int64_t c = 0, m0 = 0; c < chunks; ++c) {                                    \
+                const int64_t rows = (M - m0) / (chunks - c), left = t1 - t - 2;              \
+                const Ahead ahead = {t + 2, left < 0 ? 0 : (left < 2 ? left : 2), (int)c,     \
+                                     (int)chunks};                                            \
+                if (t + 1 < t1) {                                                             \
+                    VNNI_SWITCH(2, rows, BITS, HALF)                                          \
+                } else {                                                                      \
+                    VNNI_SWITCH(1, rows, BITS, HALF)                                          \
+                }                                                                             \
+                m0 += rows;                                                                   \
+            }                                                                                 \
+        }                                                                                     \
+    }
+
+COLUMNS_VNNI(4, 0)
+COLUMNS_VNNI(4, 1)
+COLUMNS_VNNI(8, 0)
+COLUMNS_VNNI(8, 1)
 
 VNNI static void columns_vnni(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
                               int64_t t1) {
-    /* rows in near-equal chunks of at most MAX_ROWS (17 -> 5, 6, 6) */
-    const int64_t M = x->M, chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
-    for (int64_t t = t0; t < t1; t += 2) {
-        for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
-            const int64_t rows = (M - m0) / (chunks - c);
-            const int64_t left = t1 - t - 2;
-            const Ahead ahead = {t + 2, left < 0 ? 0 : (left < 2 ? left : 2), (int)c, (int)chunks};
-            if (t + 1 < t1) {
-                VNNI_SWITCH(2, rows)
-            } else {
-                VNNI_SWITCH(1, rows)
-            }
-            m0 += rows;
-        }
-    }
+    if (w->bits == 4)
+        (w->half ? columns_vnni_4_1 : columns_vnni_4_0)(x, w, y, t0, t1);
+    else
+        (w->half ? columns_vnni_8_1 : columns_vnni_8_0)(x, w, y, t0, t1);
 }
 
 AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
