@@ -29,6 +29,7 @@ from tests.test_spec import (
     accept_all_tree,
     assert_matches,
     exact_distribution,
+    greedy_ar,
     tables,
     take,
 )
@@ -81,8 +82,7 @@ def test_greedy_head_chain_equals_greedy_ar(seed, gamma):
     target_table, draft_table = tables(seed)
     rng = np.random.default_rng(0)
     greedy = SamplingParams(0.0)
-    ar = take(ar_decode(MarkovModel(target_table), [2, 0], greedy, rng, GenerationStats("ar")),
-              30)
+    ar = greedy_ar(target_table, [2, 0], 30)
     assert take(head_run(target_table, draft_table, greedy, gamma, rng), 30) == ar
 
 
@@ -94,8 +94,7 @@ def test_a_head_chain_ends_where_its_stop_rule_says_and_stays_lossless(stop):
     target_table, draft_table = tables(2)
     rng = np.random.default_rng(0)
     greedy = SamplingParams(0.0)
-    ar = take(ar_decode(MarkovModel(target_table), [2, 0], greedy, rng, GenerationStats("ar")),
-              30)
+    ar = greedy_ar(target_table, [2, 0], 30)
     assert take(head_run(target_table, draft_table, greedy, 6, rng, stop=stop), 30) == ar
     samples = [tuple(take(head_run(target_table, draft_table, SamplingParams(1.0), 3, rng,
                                    stop=stop), 3)) for _ in range(6000)]
@@ -170,8 +169,7 @@ def test_greedy_head_tree_equals_greedy_ar(seed, exact):
     target_table, draft_table = tables(seed)
     rng = np.random.default_rng(0)
     greedy = SamplingParams(0.0)
-    ar = take(ar_decode(MarkovModel(target_table), [2, 0], greedy, rng, GenerationStats("ar")),
-              30)
+    ar = greedy_ar(target_table, [2, 0], 30)
     assert take(head_tree_run(target_table, draft_table, greedy, rng, exact), 30) == ar
 
 
@@ -187,8 +185,7 @@ def test_a_head_tree_takes_the_heads_runner_up(exact):
     swapped[rows, order[:, 0]], swapped[rows, order[:, 1]] = (target_table[rows, order[:, 1]],
                                                               target_table[rows, order[:, 0]])
     rng, greedy, kept = np.random.default_rng(0), SamplingParams(0.0), np.arange(V)
-    ar = take(ar_decode(MarkovModel(target_table), [2, 0], greedy, rng, GenerationStats("ar")),
-              30)
+    ar = greedy_ar(target_table, [2, 0], 30)
     chain, tree = GenerationStats("spec"), GenerationStats("spec")
     assert take(head_run(target_table, swapped, greedy, 1, rng, kept=kept, stats=chain), 30) == ar
     assert chain.accepted == 0
