@@ -15,6 +15,5 @@ from edgespec.spec.stats import GenerationStats
 from edgespec.spec.tree import DraftTree, verify_tree
 
 __all__ = ["DraftTree", "GenerationStats", "HeadDrafter", "HeadTreeDrafter", "HybridDrafter",
-           "LookupDrafter",
-           "ModelDrafter", "SamplingParams", "TreeDrafter", "ar_decode", "chain_decode",
-           "sample", "tree_decode", "verify_chain", "verify_tree", "warp"]
+           "LookupDrafter", "ModelDrafter", "SamplingParams", "TreeDrafter", "ar_decode",
+           "chain_decode", "sample", "tree_decode", "verify_chain", "verify_tree", "warp"]
