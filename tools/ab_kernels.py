@@ -24,6 +24,7 @@ import numpy as np
 
 import edgespec
 from edgespec import kernels
+from edgespec.errors import EdgespecError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_verify_cost import pass_ms  # noqa: E402
@@ -39,12 +40,27 @@ def build(rev: str, out: Path) -> Path:
     src.mkdir()
     for name in SOURCES + HEADERS:
         path = f"edgespec/kernels/{name}"
-        text = (ROOT / path).read_bytes() if rev == "WORK" else subprocess.run(
-            ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True).stdout
+        if rev == "WORK":
+            text = (ROOT / path).read_bytes()
+        else:
+            shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT,
+                                   capture_output=True)
+            if shown.returncode:
+                raise SystemExit(f"git has no {path} at revision '{rev}'; name a commit of "
+                                 "this repository that has the kernels, or WORK.")
+            text = shown.stdout
         (src / name).write_bytes(text)
     lib = src / "kernels.so"
-    subprocess.run(["gcc", "-O3", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC",
-                    *(str(src / s) for s in SOURCES), "-o", str(lib), "-lm"], check=True)
+    try:
+        built = subprocess.run(["gcc", "-O3", "-ffp-contract=off", "-std=c11", "-shared",
+                                "-fPIC", *(str(src / s) for s in SOURCES), "-o", str(lib),
+                                "-lm"], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise SystemExit("gcc is not installed; install it to build the kernel libraries.") \
+            from None
+    if built.returncode:
+        raise SystemExit(f"gcc could not build the kernels of '{rev}': "
+                         f"{built.stderr.strip().splitlines()[0]}")
     return lib
 
 
@@ -63,7 +79,10 @@ def main() -> None:
         for rev in a.rev:
             lib = build(rev, Path(tmp))
             kernels.library = lambda lib=lib: lib  # what every session of this engine loads
-            engines[rev] = edgespec.load(a.bundle, device="cpu", threads=a.threads)
+            try:
+                engines[rev] = edgespec.load(a.bundle, device="cpu", threads=a.threads)
+            except EdgespecError as e:
+                raise SystemExit(str(e)) from None
         models = [(role, s) for role in ("target", "draft")
                   for s in (a.tokens if role == "target" else [1])
                   if getattr(engines[a.rev[0]], role) is not None]
