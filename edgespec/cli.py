@@ -108,7 +108,8 @@ def cli() -> None:
               help="Target weight precision (a GGUF file's quantized tensors keep their own "
                    "types unless --requantize).")
 @click.option("--draft-precision", type=click.Choice(["fp32", "fp16", "int8", "int4", "int2"]),
-              help="Draft weight precision (default: --precision).")
+              help="Draft weight precision (default: --precision; a draft head's own "
+                   "layer follows the target's, int8 beside a GGUF file).")
 @click.option("--block-size", type=click.Choice(["16", "32", "64", "128"]), default="32",
               show_default=True, help="Quantization block size along the input dimension "
               "(the cuda and dml profiles run 4-bit codes in blocks of 16).")

@@ -316,6 +316,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     `summary=False` leaves out the table of written files.
     """
     console = console or Console(stderr=True)
+    head_precision = draft_precision  # a draft head's own, else the target's
     draft_precision = draft_precision or precision
     for p in (precision, draft_precision):
         if p not in EXPORTED_PRECISIONS:
@@ -369,7 +370,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                                  block_size, ep_profile, accuracy_level, quant, nested,
                                  vocab_trim, trim_source, trim_prompts, kv_cache, overwrite,
                                  console, head, calibration,
-                                 floats=target_src.kind != "gguf" or requantize)
+                                 floats=target_src.kind != "gguf" or requantize,
+                                 head_precision=head_precision)
     if summary:  # the table of files; an export into the cache only shows its progress
         _summary(console, manifest, sizes, time.time() - start, Path(out))
     return manifest
@@ -380,11 +382,12 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
            quant: str, nested: bool, vocab_trim: int | None, trim_source: str,
            trim_prompts: list[str] | None, kv_cache: str, overwrite: bool,
            console: Console, head: Path | None = None,
-           calibration: str | Path | None = None, floats: bool = True
-           ) -> tuple[Manifest, dict[str, int]]:
+           calibration: str | Path | None = None, floats: bool = True,
+           head_precision: str | None = None) -> tuple[Manifest, dict[str, int]]:
     """Build every graph and file of the bundle in a temporary directory, then move it
     into place (write_bundle). `floats`: the target's weights are floats (not a GGUF
-    file's kept codes), so the float model is at hand to calibrate and compare with."""
+    file's kept codes), so the float model is at hand to calibrate and compare with.
+    `head_precision`: a draft head's weights (default: the target's precision)."""
     target_dir, eos_ids = target_src.tokenizer_dir, target_src.eos_ids
     columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     try:
@@ -430,7 +433,8 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                                    progress)
             draft_entry = None
             if head is not None:
-                draft_entry = _export_head(head, target_src, tmp, target_entry.precision,
+                draft_entry = _export_head(head, target_src, tmp,
+                                           head_precision or target_entry.precision,
                                            block_size, accuracy_level, ep_profile, progress)
             if draft_src:
                 draft_entry = _export_model(draft_src, "draft", tmp, draft_precision,
