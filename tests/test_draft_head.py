@@ -624,12 +624,24 @@ def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):
             assert four.stats.drafted > 2 * (four.stats.target_passes - 1)
 
 
+def drafts_and_equals_ar(bundle: Path) -> None:
+    """The bundle's default mode drafts, and its greedy output is greedy AR's."""
+    import edgespec
+
+    with edgespec.load(bundle) as engine:
+        for prompt in ("def parse(text):", "x = [1, 2, 3]\nfor"):
+            spec = engine.generate(prompt, max_new_tokens=40, temperature=0)
+            assert spec.stats.draft_passes > 0
+            assert spec.token_ids == engine.generate(prompt, max_new_tokens=40,
+                                                     temperature=0, mode="ar").token_ids
+
+
 def test_draft_precision_sets_the_heads_own_weights(tiny, trained, tmp_path):
     """--draft-precision int4: the head's fusion and layer in 4-bit codes beside an int8
     target (its kept LM head rows stay 8-bit like every LM head), still lossless."""
     import onnx
 
-    import edgespec
+    from edgespec import kernels
     from edgespec.bundle import read_manifest
     from edgespec.export import export
 
@@ -639,20 +651,15 @@ def test_draft_precision_sets_the_heads_own_weights(tiny, trained, tmp_path):
     assert (manifest.target.precision, manifest.draft.precision) == ("int8", "int4")
     graph = onnx.load(str(tmp_path / "b" / manifest.draft.graph), load_external_data=False)
     bits = {n.name: next(a.i for a in n.attribute if a.name == "bits")
-            for n in graph.graph.node if n.domain == "edgespec" and n.op_type.startswith("BlockQ")}
+            for n in graph.graph.node
+            if n.domain == kernels.DOMAIN and n.op_type.startswith("BlockQ")}
     assert bits.pop("lm_head") == 8 and bits and set(bits.values()) == {4}
-    with edgespec.load(tmp_path / "b") as engine:
-        for prompt in ("def parse(text):", "x = [1, 2, 3]\nfor"):
-            spec = engine.generate(prompt, max_new_tokens=40, temperature=0)
-            assert spec.stats.draft_passes > 0
-            assert spec.token_ids == engine.generate(prompt, max_new_tokens=40,
-                                                     temperature=0, mode="ar").token_ids
+    drafts_and_equals_ar(tmp_path / "b")
 
 
 def test_head_beside_an_int8_kv_target_matches_ar(tiny, trained, tmp_path):
     """--kv-cache int8 quantizes the target's cache; the head's one-layer cache stays
     float (its graph takes the target's states, so it is not calibrated alone)."""
-    import edgespec
     from edgespec.bundle import read_manifest
     from edgespec.export import export
 
@@ -660,12 +667,7 @@ def test_head_beside_an_int8_kv_target_matches_ar(tiny, trained, tmp_path):
     export(path, tmp_path / "b", draft=trained, kv_cache="int8")
     manifest = read_manifest(tmp_path / "b")
     assert manifest.target.kv_dtype == "int8" and manifest.draft.kv_dtype == "float32"
-    with edgespec.load(tmp_path / "b") as engine:
-        for prompt in ("def parse(text):", "x = [1, 2, 3]\nfor"):
-            spec = engine.generate(prompt, max_new_tokens=40, temperature=0)
-            assert spec.stats.draft_passes > 0
-            assert spec.token_ids == engine.generate(prompt, max_new_tokens=40,
-                                                     temperature=0, mode="ar").token_ids
+    drafts_and_equals_ar(tmp_path / "b")
 
 
 def test_a_head_for_another_model_is_refused(tiny, trained, tmp_path, demo_target):
