@@ -20,7 +20,7 @@ import numpy as np
 
 import edgespec
 from edgespec.bench_sets import REAL_CATEGORIES, load_set, select
-from edgespec.engine import GenerationConfig
+from edgespec.engine import MODES, GenerationConfig
 from edgespec.errors import EdgespecError
 
 
@@ -32,15 +32,22 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--mode", default="default", help="a decoding mode, or each bundle's default")
+    ap.add_argument("--mode", choices=("default", *MODES), default="default",
+                    help="a decoding mode, or each bundle's default")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     if len(a.bundles) < 2:
         raise SystemExit("name at least two bundles to compare.")
+    if min(a.prompts, a.rounds, a.new) < 1:
+        raise SystemExit("--prompts, --rounds and --new must each be at least 1.")
     try:
-        engines = [edgespec.load(b, device="cpu", threads=a.threads) for b in a.bundles]
+        compare(a)
     except EdgespecError as e:
         raise SystemExit(str(e)) from None
+
+
+def compare(a: argparse.Namespace) -> None:
+    engines = [edgespec.load(b, device="cpu", threads=a.threads) for b in a.bundles]
     prompts = [engines[0].tokenizer.encode_chat(p["messages"])
                for p in select(load_set("real"), (a.category,), a.prompts)]
     speed: list[list[float]] = [[] for _ in engines]
