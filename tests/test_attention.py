@@ -175,6 +175,30 @@ def test_a_token_attends_the_same_alone_in_a_chain_and_on_a_tree_branch(threads,
     assert np.array_equal(out[[0, *(1 + n for n in path)]], alone[:9])
 
 
+@pytest.mark.parametrize("d,int8", [(32, False), (40, False), (40, True)])
+@pytest.mark.parametrize("window", [0, 20])
+def test_a_long_pass_attends_each_row_as_if_fed_alone(d, int8, window):
+    """A pass longer than a block of rows (32) is attended block after block, a head of
+    5 x 8 dimensions ends on an 8-wide slice of values, and under a sliding window a row
+    sees a run of keys that starts past the block's first: each row equals its token fed
+    alone (bitwise), and numpy's attention."""
+    run, n = session(d=d, int8=int8), 50
+
+    def bias(past: int, s: int) -> np.ndarray:
+        b = causal_bias(past, s)
+        for row in range(s):
+            b[0, 0, row, :max(0, past + row + 1 - window) if window else 0] = NEG_INF
+        return b
+    st = Stream(n, seed=3, half=d // 2, d=d, int8=int8)
+    whole = st.feed(run, list(range(n)), list(range(n)), bias(0, n))
+    st = Stream(n, seed=3, half=d // 2, d=d, int8=int8)
+    alone = np.stack([st.feed(run, [t], [t], bias(t, 1))[0] for t in range(n)])
+    assert np.array_equal(whole, alone)
+    if not int8:
+        assert np.abs(whole - reference(st, list(range(n)), list(range(n)), bias(0, n))
+                      ).max() < 1e-5
+
+
 @pytest.mark.parametrize("int8", [False, True])
 def test_every_path_gives_the_same_bits(int8):
     bias = causal_bias(0, 30)

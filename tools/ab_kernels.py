@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=50, help="tokens cached before each pass")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         engines = {}
@@ -90,7 +91,8 @@ def main() -> None:
         for _ in range(a.rounds):
             for rev, engine in engines.items():
                 for role, s in models:
-                    ms[(rev, (role, s))].append(pass_ms(getattr(engine, role), s, a.repeats))
+                    ms[(rev, (role, s))].append(
+                        pass_ms(getattr(engine, role), s, a.repeats, a.context))
     base = a.rev[0]
     print(f"{a.bundle}: median ms over {a.rounds} rounds; ratio to {base} (median per round)")
     for m in models:

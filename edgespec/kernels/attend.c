@@ -8,12 +8,9 @@
 
 #define MASKED -1e30f /* bias values at or below this close a key (-inf, float32's min) */
 
-/* The slots row s sees, in order: open in its bias row, and at or before its own slot. */
-static int64_t open_keys(const AttendShape *a, const float *bias_row, int64_t s, int32_t *idx) {
-    int64_t n = 0;
-    for (int64_t j = 0; j <= a->past + s; ++j)
-        if (bias_row[j] > MASKED) idx[n++] = (int32_t)j;
-    return n;
+/* Does row s see slot j? Open in its bias row, and at or before its own slot. */
+static inline int sees(const AttendShape *a, const float *bias, int64_t s, int64_t j) {
+    return j <= a->past + s && bias[s * (a->past + a->S) + j] > MASKED;
 }
 
 /* ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)): what AVX2's horizontal adds give. */
@@ -37,33 +34,64 @@ static inline const void *slot(const void *cache, int64_t j, int64_t D, int int8
                 : (const void *)((const float *)cache + j * D);
 }
 
-/* The output of one query row q over the n open keys idx of one KV head. With int8 caches
- * q comes scaled by the key scales, and `vscale` scales the weighted sum of value codes. */
-static void row_portable(const AttendShape *a, const float *q, const void *K, const void *V,
-                         const float *vscale, int int8, const float *bias, const int32_t *idx,
-                         int64_t n, float *e, float *out) {
+/* The queries a block holds for KV head g: rows r0..r1-1, the group's heads. */
+#define FOR_GROUP_QUERIES(b, g, s, h)                                                 \
+    for (int64_t s = (b)->r0; s < (b)->r1; ++s)                                     \
+        for (int64_t h = (g) * ((b)->a->H / (b)->a->Hk);                            \
+             h < ((g) + 1) * ((b)->a->H / (b)->a->Hk); ++h)
+
+static inline float *w_row(const AttendBlock *b, int64_t s, int64_t h) {
+    return b->w + ((s - b->r0) * b->a->H + h) * (b->U + 8);
+}
+
+static void scores_portable(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1, int int8) {
+    const AttendShape *a = b->a;
     const int64_t D = a->D;
-    float top = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) {
-        const void *k = slot(K, idx[i], D, int8);
-        float lanes[8] = {0};
-        for (int64_t d = 0; d < D; d += 8)
-            for (int l = 0; l < 8; ++l) lanes[l] = fmaf(q[d + l], cached(k, d + l, int8), lanes[l]);
-        e[i] = score(a, fold8(lanes), bias[idx[i]]);
-        top = e[i] > top ? e[i] : top;
+    const void *K = slot(b->kcache, g * a->max, D, int8);
+    for (int64_t u = u0; u < u1; ++u) {
+        const void *k = slot(K, b->keys[u], D, int8);
+        FOR_GROUP_QUERIES(b, g, s, h) {
+            const float *q = b->qrot + (s * a->H + h) * D;
+            float lanes[8] = {0};
+            for (int64_t d = 0; d < D; d += 8)
+                for (int l = 0; l < 8; ++l)
+                    lanes[l] = fmaf(q[d + l], cached(k, d + l, int8), lanes[l]);
+            w_row(b, s, h)[u] = fold8(lanes);
+        }
     }
+}
+
+/* e = exp(e - top) in place; returns their sum, in 8 lanes by index, folded. */
+static float exps_portable(float *e, int64_t n, float top) {
     float lanes[8] = {0};
     for (int64_t i = 0; i < n; ++i) {
         e[i] = exp_portable(e[i] - top);
         lanes[i % 8] += e[i];
     }
-    const float sum = fold8(lanes);
-    for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-        const void *v = slot(V, idx[i], D, int8);
-        for (int64_t d = 0; d < D; ++d) out[d] = fmaf(e[i], cached(v, d, int8), out[d]);
+    return fold8(lanes);
+}
+
+/* Dimensions [d0, d1) of the block's outputs for KV head g: sum_u w_u v_keys[u] key after
+ * key, in slices of KEY_SLICE keys (their values stay in L1 while every query of the
+ * group takes them; the partial sums wait in `out`, which changes no bit). */
+#define KEY_SLICE 64
+static void values_portable(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1, int int8) {
+    const AttendShape *a = b->a;
+    const int64_t D = a->D;
+    const void *V = slot(b->vcache, g * a->max, D, int8);
+    for (int64_t u0 = 0; u0 < b->U; u0 += KEY_SLICE) {
+        const int64_t u1 = u0 + KEY_SLICE < b->U ? u0 + KEY_SLICE : b->U;
+        FOR_GROUP_QUERIES(b, g, s, h) {
+            const float *w = w_row(b, s, h);
+            float *o = b->out + (s * a->H + h) * D;
+            if (u0 == 0)
+                for (int64_t d = d0; d < d1; ++d) o[d] = 0.0f;
+            for (int64_t u = u0; u < u1; ++u) {
+                const void *v = slot(V, b->keys[u], D, int8);
+                for (int64_t d = d0; d < d1; ++d) o[d] = fmaf(w[u], cached(v, d, int8), o[d]);
+            }
+        }
     }
-    for (int64_t d = 0; d < D; ++d) out[d] = (int8 ? out[d] * vscale[d] : out[d]) / sum;
 }
 
 #ifdef EDGESPEC_X86
@@ -76,13 +104,13 @@ AVX2 INLINE float fold_256(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
 }
 
-/* fold8 of eight vectors at once, as the eight lanes of one (a transposing reduction). */
-AVX2 INLINE __m256 fold8_256(const __m256 *a) {
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    /* u0 = [a0 a1 a2 a3 of l0..l3 | a0 a1 a2 a3 of l4..l7], u1 the same for a4..a7 */
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
-                         _mm256_permute2f128_ps(u0, u1, 0x31));
+/* The cache is read key after key, usually from memory (a long context's caches outgrow
+ * the CPU's): rows AHEAD keys on are asked for early, which shortened a pass of 2-17
+ * tokens over 3,000 keys by a fifth. */
+#define AHEAD 16
+AVX2 INLINE void prefetch(const void *row, int64_t from, int64_t bytes) {
+    for (int64_t c = from; c < from + bytes; c += 64)
+        _mm_prefetch((const char *)row + c, _MM_HINT_T0);
 }
 
 /* 8 cache elements from `at` as floats (int8 codes converted). */
@@ -93,49 +121,63 @@ AVX2 INLINE __m256 load_256(const void *row, int64_t at, int int8) {
     return _mm256_loadu_ps((const float *)row + at);
 }
 
-/* out[0:8R] = sum_i e_i v_i[0:8R] (times vscale with int8 codes) / sum, key after key
- * (R registers of 8 dimensions). */
-AVX2 INLINE void weighted_256(const void *V, int64_t d0, int64_t D, const float *vscale,
-                              int int8, const int32_t *idx, int64_t n, const float *e,
-                              float sum, float *out, int R) {
-    __m256 acc[8];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; ++i) {
-        const __m256 p = _mm256_set1_ps(e[i]);
-        const void *v = slot(V, idx[i], D, int8);
-        for (int r = 0; r < R; ++r)
-            acc[r] = _mm256_fmadd_ps(p, load_256(v, d0 + 8 * r, int8), acc[r]);
+/* fold8 of four vectors at once, as the four lanes of one. */
+AVX2 INLINE __m128 fold4_256(const __m256 *a) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+/* Dot products of Q queries (from m0, numbered as in values_tile) with four keys: each
+ * key chunk is loaded once for the Q queries, whose 4 * Q sums advance side by side. */
+AVX2 INLINE void scores_tile(const AttendBlock *b, int64_t g, const void *const *k, int64_t u,
+                             int64_t m0, int Q, int int8) {
+    const AttendShape *a = b->a;
+    const int64_t D = a->D, group = a->H / a->Hk;
+    const float *q[3];
+    float *w[3];
+    for (int m = 0; m < Q; ++m) {
+        const int64_t s = b->r0 + (m0 + m) / group, h = g * group + (m0 + m) % group;
+        q[m] = b->qrot + (s * a->H + h) * D;
+        w[m] = w_row(b, s, h) + u;
     }
-    for (int r = 0; r < R; ++r) {
-        __m256 x = acc[r];
-        if (int8) x = _mm256_mul_ps(x, _mm256_loadu_ps(vscale + d0 + 8 * r));
-        _mm256_storeu_ps(out + d0 + 8 * r, _mm256_div_ps(x, _mm256_set1_ps(sum)));
+    __m256 acc[3][4];
+    for (int m = 0; m < Q; ++m)
+        for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 x[3];
+        for (int m = 0; m < Q; ++m) x[m] = _mm256_loadu_ps(q[m] + d);
+        for (int j = 0; j < 4; ++j) {
+            const __m256 key = load_256(k[j], d, int8);
+            for (int m = 0; m < Q; ++m) acc[m][j] = _mm256_fmadd_ps(x[m], key, acc[m][j]);
+        }
+    }
+    for (int m = 0; m < Q; ++m) _mm_storeu_ps(w[m], fold4_256(acc[m]));
+}
+
+/* Four keys at a time (the last ones repeated, their extra lanes landing in the rows'
+ * padding), each read once for every query of the group. */
+AVX2 INLINE void scores_avx2(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1,
+                             int int8) {
+    const AttendShape *a = b->a;
+    const int64_t D = a->D, M = (b->r1 - b->r0) * (a->H / a->Hk);
+    const void *K = slot(b->kcache, g * a->max, D, int8);
+    for (int64_t u = u0; u < u1; u += 4) {
+        const void *k[4];
+        for (int j = 0; j < 4; ++j)
+            k[j] = slot(K, b->keys[u + j < b->U ? u + j : b->U - 1], D, int8);
+        for (int j = AHEAD; j < AHEAD + 4 && u + j < b->U; ++j)
+            prefetch(slot(K, b->keys[u + j], D, int8), 0, D * (int8 ? 1 : 4));
+        int64_t m = 0;
+        for (; m + 3 <= M; m += 3) scores_tile(b, g, k, u, m, 3, int8);
+        if (M - m == 2) scores_tile(b, g, k, u, m, 2, int8);
+        if (M - m == 1) scores_tile(b, g, k, u, m, 1, int8);
     }
 }
 
-AVX2 INLINE void row_avx2(const AttendShape *a, const float *q, const void *K, const void *V,
-                          const float *vscale, int int8, const float *bias,
-                          const int32_t *idx, int64_t n, float *e, float *out) {
-    const int64_t D = a->D;
-    for (int64_t i = 0; i < n; i += 8) { /* eight keys at once (the last block's repeated) */
-        const void *k[8];
-        for (int j = 0; j < 8; ++j) k[j] = slot(K, idx[i + j < n ? i + j : n - 1], D, int8);
-        __m256 acc[8];
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) {
-            const __m256 x = _mm256_loadu_ps(q + d);
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(x, load_256(k[j], d, int8), acc[j]);
-        }
-        _mm256_storeu_ps(e + i, fold8_256(acc)); /* e has room for n rounded up to 8 */
-    }
-    int64_t i;
-    float top = -INFINITY;
-    for (i = 0; i < n; ++i) {
-        e[i] = score(a, e[i], bias[idx[i]]);
-        top = e[i] > top ? e[i] : top;
-    }
+AVX2 static float exps_avx2(float *e, int64_t n, float top) {
     const __m256 vtop = _mm256_set1_ps(top);
     __m256 lanes = _mm256_setzero_ps();
+    int64_t i;
     for (i = 0; i + 8 <= n; i += 8) {
         const __m256 x = exp_256(_mm256_sub_ps(_mm256_loadu_ps(e + i), vtop));
         _mm256_storeu_ps(e + i, x);
@@ -143,28 +185,221 @@ AVX2 INLINE void row_avx2(const AttendShape *a, const float *q, const void *K, c
     }
     float tail[8] = {0}; /* the last n % 8, the other lanes adding exact zeros */
     for (int64_t j = 0; i + j < n; ++j) tail[j] = e[i + j] = exp_portable(e[i + j] - top);
-    const float sum = fold_256(_mm256_add_ps(lanes, _mm256_loadu_ps(tail)));
-    for (int64_t d = 0; d < D; d += 64) {
-        if (D - d >= 64)
-            weighted_256(V, d, D, vscale, int8, idx, n, e, sum, out, 8);
-        else
-            weighted_256(V, d, D, vscale, int8, idx, n, e, sum, out, (int)((D - d) / 8));
+    return fold_256(_mm256_add_ps(lanes, _mm256_loadu_ps(tail)));
+}
+
+/* values_portable for R registers of 8 dimensions from d0, the group's queries m0 .. m0+Q-1
+ * (numbered row after row, head after head) and the keys [u0, u1): each value vector is
+ * loaded once for all Q, whose R * Q sums (at most 8 registers) advance side by side. */
+AVX2 INLINE void values_tile(const AttendBlock *b, int64_t g, int64_t d0, int R, int64_t m0,
+                             int Q, int64_t u0, int64_t u1, int int8) {
+    const AttendShape *a = b->a;
+    const int64_t D = a->D, group = a->H / a->Hk;
+    const void *V = slot(b->vcache, g * a->max, D, int8);
+    const float *w[4];
+    float *o[4];
+    __m256 acc[4][8];
+    for (int m = 0; m < Q; ++m) {
+        const int64_t s = b->r0 + (m0 + m) / group, h = g * group + (m0 + m) % group;
+        w[m] = w_row(b, s, h);
+        o[m] = b->out + (s * a->H + h) * D + d0;
+        for (int r = 0; r < R; ++r)
+            acc[m][r] = u0 ? _mm256_loadu_ps(o[m] + 8 * r) : _mm256_setzero_ps();
+    }
+    for (int64_t u = u0; u < u1; ++u) {
+        const void *v = slot(V, b->keys[u], D, int8);
+        if (m0 == 0 && u + AHEAD < b->U) /* the first tile brings the slice in */
+            prefetch(slot(V, b->keys[u + AHEAD], D, int8), d0 * (int8 ? 1 : 4),
+                     R * 8 * (int8 ? 1 : 4));
+        __m256 x[8];
+        for (int r = 0; r < R; ++r) x[r] = load_256(v, d0 + 8 * r, int8);
+        for (int m = 0; m < Q; ++m) {
+            const __m256 p = _mm256_set1_ps(w[m][u]);
+            for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(p, x[r], acc[m][r]);
+        }
+    }
+    for (int m = 0; m < Q; ++m)
+        for (int r = 0; r < R; ++r) _mm256_storeu_ps(o[m] + 8 * r, acc[m][r]);
+}
+
+/* values_tile for the R and Q given, each pair its own instance (constant bounds, no
+ * spills). */
+AVX2 INLINE void values_rq(const AttendBlock *b, int64_t g, int64_t d, int R, int64_t m, int Q,
+                           int64_t u0, int64_t u1, int int8) {
+#define VALUES_CASE(r, q) \
+    case r * 8 + q: values_tile(b, g, d, r, m, q, u0, u1, int8); break;
+    switch (R * 8 + Q) {
+        VALUES_CASE(8, 1)
+        VALUES_CASE(4, 2) VALUES_CASE(4, 1)
+        VALUES_CASE(2, 4) VALUES_CASE(2, 3) VALUES_CASE(2, 2) VALUES_CASE(2, 1)
+        VALUES_CASE(1, 4) VALUES_CASE(1, 3) VALUES_CASE(1, 2) VALUES_CASE(1, 1)
+    }
+#undef VALUES_CASE
+}
+
+/* Dimensions [d0, d1) for every query of the group: tiles of up to 64 dimensions by up to
+ * 8 / R queries, over slices of KEY_SLICE keys (which stay in L1 while every tile takes
+ * them). */
+AVX2 INLINE void values_avx2(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1,
+                             int int8) {
+    const int64_t M = (b->r1 - b->r0) * (b->a->H / b->a->Hk);
+    for (int64_t d = d0, R; d < d1; d += 8 * R) {
+        R = d1 - d >= 64 ? 8 : d1 - d >= 32 ? 4 : d1 - d >= 16 ? 2 : 1;
+        const int64_t most = R >= 2 ? 8 / R : 4;
+        for (int64_t u0 = 0; u0 < b->U; u0 += KEY_SLICE) {
+            const int64_t u1 = u0 + KEY_SLICE < b->U ? u0 + KEY_SLICE : b->U;
+            for (int64_t m = 0; m < M; m += most)
+                values_rq(b, g, d, (int)R, m, (int)(M - m < most ? M - m : most), u0, u1, int8);
+        }
     }
 }
 
 /* One instance per cache type, so that neither tests its type in the inner loops. */
-AVX2 static void row_avx2_float(const AttendShape *a, const float *q, const void *K,
-                                const void *V, const float *vscale, const float *bias,
-                                const int32_t *idx, int64_t n, float *e, float *out) {
-    row_avx2(a, q, K, V, vscale, 0, bias, idx, n, e, out);
+AVX2 static void scores_avx2_float(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1) {
+    scores_avx2(b, g, u0, u1, 0);
 }
-
-AVX2 static void row_avx2_int8(const AttendShape *a, const float *q, const void *K,
-                               const void *V, const float *vscale, const float *bias,
-                               const int32_t *idx, int64_t n, float *e, float *out) {
-    row_avx2(a, q, K, V, vscale, 1, bias, idx, n, e, out);
+AVX2 static void scores_avx2_int8(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1) {
+    scores_avx2(b, g, u0, u1, 1);
+}
+AVX2 static void values_avx2_float(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
+    values_avx2(b, g, d0, d1, 0);
+}
+AVX2 static void values_avx2_int8(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
+    values_avx2(b, g, d0, d1, 1);
 }
 #endif
+
+int64_t attend_keys(const AttendShape *a, const float *bias, int64_t r0, int64_t r1,
+                    int32_t *keys) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < a->past + r1; ++j)
+        for (int64_t s = r0; s < r1; ++s)
+            if (sees(a, bias, s, j)) {
+                keys[n++] = (int32_t)j;
+                break;
+            }
+    return n;
+}
+
+void attend_scores(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1) {
+    const int int8 = b->a->kscale != NULL;
+#ifdef EDGESPEC_X86
+    if (blockq_path() >= 1) {
+        (int8 ? scores_avx2_int8 : scores_avx2_float)(b, g, u0, u1);
+        return;
+    }
+#endif
+    scores_portable(b, g, u0, u1, int8);
+}
+
+/* How many keys row s sees when they are a run of the block's keys, consecutive slots all
+ * open, from *lo on (a row of a chain, fed alone, or under a sliding window); -1 when they
+ * are not (a tree's masked siblings). */
+static int64_t seen_run(const AttendBlock *b, int64_t s, int64_t *lo) {
+    const AttendShape *a = b->a;
+    const float *bias = b->bias + s * (a->past + a->S);
+    int64_t hi = b->U, u = 0, low = 0;
+    while (low < hi) { /* hi: the first key past the row's own slot (keys ascend) */
+        const int64_t mid = low + (hi - low) / 2;
+        if (b->keys[mid] <= a->past + s) low = mid + 1;
+        else hi = mid;
+    }
+    while (u < hi && !(bias[b->keys[u]] > MASKED)) ++u;
+    if (u == hi || b->keys[hi - 1] - b->keys[u] != hi - 1 - u) return -1;
+    int open = 1;
+    for (int64_t i = b->keys[u]; i <= b->keys[hi - 1]; ++i) open &= bias[i] > MASKED;
+    *lo = u;
+    return open ? hi - u : -1;
+}
+
+/* Scores of a row that sees a run of n keys, in place; returns their maximum. */
+static float run_scores_portable(float *w, const float *bias, int64_t n, float scale) {
+    float top = -INFINITY;
+    for (int64_t u = 0; u < n; ++u) {
+        w[u] = w[u] * scale + bias[u];
+        top = w[u] > top ? w[u] : top;
+    }
+    return top;
+}
+
+#ifdef EDGESPEC_X86
+AVX2 static float run_scores_avx2(float *w, const float *bias, int64_t n, float scale) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    __m256 vtop = _mm256_set1_ps(-INFINITY);
+    int64_t u = 0;
+    for (; u + 8 <= n; u += 8) {
+        const __m256 x = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(w + u), vs),
+                                       _mm256_loadu_ps(bias + u));
+        _mm256_storeu_ps(w + u, x);
+        vtop = _mm256_max_ps(vtop, x);
+    }
+    float lanes[8], top = run_scores_portable(w + u, bias + u, n - u, scale);
+    _mm256_storeu_ps(lanes, vtop);
+    for (int l = 0; l < 8; ++l) top = lanes[l] > top ? lanes[l] : top;
+    return top;
+}
+#endif
+
+static float run_scores(float *w, const float *bias, int64_t n, float scale) {
+#ifdef EDGESPEC_X86
+    if (blockq_path() >= 1) return run_scores_avx2(w, bias, n, scale);
+#endif
+    return run_scores_portable(w, bias, n, scale);
+}
+
+static float exps(float *e, int64_t n, float top) {
+#ifdef EDGESPEC_X86
+    if (blockq_path() >= 1) return exps_avx2(e, n, top);
+#endif
+    return exps_portable(e, n, top);
+}
+
+void attend_weights(const AttendBlock *b, int64_t t0, int64_t t1, float *e, int32_t *pick) {
+    const AttendShape *a = b->a;
+    for (int64_t t = t0; t < t1; ++t) {
+        const int64_t s = b->r0 + t / a->H, h = t % a->H;
+        const float *bias = b->bias + s * (a->past + a->S);
+        float *w = w_row(b, s, h), top = -INFINITY, sum = 0.0f; /* no key seen: zeros */
+        int64_t lo = 0, n = a->softcap > 0.0f ? -1 : seen_run(b, s, &lo);
+        if (n > 0) { /* the scores, exps and weights in place (the same operations) */
+            top = run_scores(w + lo, bias + b->keys[lo], n, a->scale);
+            sum = exps(w + lo, n, top);
+            memset(w, 0, (size_t)lo * sizeof(float));
+            memset(w + lo + n, 0, (size_t)(b->U - lo - n) * sizeof(float));
+            b->sums[t] = sum;
+            continue;
+        }
+        n = 0;
+        for (int64_t u = 0; u < b->U; ++u)
+            if (sees(a, b->bias, s, b->keys[u])) {
+                pick[n] = (int32_t)u;
+                e[n] = score(a, w[u], bias[b->keys[u]]);
+                top = e[n] > top ? e[n] : top;
+                ++n;
+            }
+        if (n > 0) sum = exps(e, n, top);
+        memset(w, 0, (size_t)b->U * sizeof(float));
+        for (int64_t i = 0; i < n; ++i) w[pick[i]] = e[i];
+        b->sums[t] = sum;
+    }
+}
+
+void attend_values(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
+    const AttendShape *a = b->a;
+    const int int8 = a->kscale != NULL;
+#ifdef EDGESPEC_X86
+    if (blockq_path() >= 1)
+        (int8 ? values_avx2_int8 : values_avx2_float)(b, g, d0, d1);
+    else
+#endif
+        values_portable(b, g, d0, d1, int8);
+    FOR_GROUP_QUERIES(b, g, s, h) {
+        float *o = b->out + (s * a->H + h) * a->D;
+        const float sum = b->sums[(s - b->r0) * a->H + h];
+        for (int64_t d = d0; d < d1; ++d)
+            o[d] = sum == 0.0f ? 0.0f : (int8 ? o[d] * a->vscale[g * a->D + d] : o[d]) / sum;
+    }
+}
 
 static void rotate(const float *x, float *y, int64_t D, int64_t half, const float *c,
                    const float *s) {
@@ -184,8 +419,14 @@ void attend_prepare(const AttendShape *a, const float *q, int64_t q_stride, cons
     const int int8 = a->kscale != NULL;
     for (int64_t s = 0; s < a->S; ++s) {
         const float *c = cos + pos[s] * a->half, *sn = sin + pos[s] * a->half;
-        for (int64_t h = 0; h < a->H; ++h)
-            rotate(q + s * q_stride + h * D, qrot + (s * a->H + h) * D, D, a->half, c, sn);
+        for (int64_t h = 0; h < a->H; ++h) {
+            float *qr = qrot + (s * a->H + h) * D;
+            rotate(q + s * q_stride + h * D, qr, D, a->half, c, sn);
+            if (int8) { /* the dot products are taken with the key codes */
+                const float *ks = a->kscale + h / (a->H / a->Hk) * D;
+                for (int64_t d = 0; d < D; ++d) qr[d] *= ks[d];
+            }
+        }
         for (int64_t g = 0; g < a->Hk; ++g) {
             const int64_t at = (g * a->max + a->past + s) * D;
             const float *vs = v + s * v_stride + g * D;
@@ -201,40 +442,4 @@ void attend_prepare(const AttendShape *a, const float *q, int64_t q_stride, cons
             }
         }
     }
-}
-
-void attend_rows(const AttendShape *a, const float *qrot, const void *kcache,
-                 const void *vcache, const float *bias, float *out, int64_t begin,
-                 int64_t end, int32_t *idx, float *e) {
-    const int64_t D = a->D, T = a->past + a->S, group = a->H / a->Hk;
-    const int int8 = a->kscale != NULL, path = blockq_path();
-    float *scaled = e + T + 8; /* the query times the key scales (int8 caches) */
-    int64_t row = -1, n = 0;
-    for (int64_t t = begin; t < end; ++t) {
-        const int64_t s = t / a->H, g = (t % a->H) / group;
-        if (s != row) { /* heads of a row see the same keys */
-            n = open_keys(a, bias + s * T, s, idx);
-            row = s;
-        }
-        const void *K = slot(kcache, g * a->max, D, int8), *V = slot(vcache, g * a->max, D, int8);
-        const float *q = qrot + t * D, *vscale = int8 ? a->vscale + g * D : NULL;
-        float *o = out + t * D;
-        if (n == 0) {
-            memset(o, 0, (size_t)D * sizeof(float));
-            continue;
-        }
-        if (int8) {
-            for (int64_t d = 0; d < D; ++d) scaled[d] = q[d] * a->kscale[g * D + d];
-            q = scaled;
-        }
-#ifdef EDGESPEC_X86
-        if (path >= 1) {
-            (int8 ? row_avx2_int8 : row_avx2_float)(a, q, K, V, vscale, bias + s * T, idx, n,
-                                                   e, o);
-            continue;
-        }
-#endif
-        row_portable(a, q, K, V, vscale, int8, bias + s * T, idx, n, e, o);
-    }
-    (void)path;
 }

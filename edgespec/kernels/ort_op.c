@@ -354,9 +354,9 @@ static const OrtCustomOp g_op_half = BLOCKQ_OP;
 
 /* Attention does ~8x fewer multiply-adds a microsecond than the block-quantized product
  * (float, and per key a reduction, a score and an exp), so a task needs fewer of them to
- * pay for waking a thread: (query row, head) pairs are split once they total 2^17 (a
+ * pay for waking a thread: a step (scores, or values) is split once it has 2^16 (a
  * one-token pass of SmolLM2 at ~100 tokens of context stays on one thread). */
-#define ATTEND_MIN_TASK_MACS ((int64_t)1 << 17)
+#define ATTEND_MIN_TASK_MACS ((int64_t)1 << 16)
 #define ATTEND_NAME "Attention"
 #define ATTEND_NAME_INT8 "AttentionInt8"
 #define attend_error(api, code, ...) error_in(ATTEND_NAME, api, code, __VA_ARGS__)
@@ -412,22 +412,55 @@ static OrtStatus *shape_of(const OrtApi *api, const OrtValue *v, const char *wha
   return st;
 }
 
+/* A block's rows are at most ATTEND_ROWS, and fewer where their [rows * H, T + 8] floats of
+ * scores would pass ATTEND_SCORE_FLOATS: a verify pass is one block, a long prompt many. */
+#define ATTEND_ROWS 32
+#define ATTEND_SCORE_FLOATS ((int64_t)1 << 22)
+#define ATTEND_VALUE_DIMS 64 /* a task's share of value rows: 256 bytes of floats, read in order */
+
 typedef struct {
-  const AttendShape *shape;
-  const float *qrot;
-  const void *kcache, *vcache;
-  const float *bias;
-  float *out;
-  int32_t *idx;
-  float *e;
-  int64_t units, tasks, scratch;
+  AttendBlock block;
+  int step;                    /* 0: scores, 1: weights, 2: values */
+  int64_t units, tasks, per;   /* per: units per KV head (scores, values) */
+  float *e;                    /* weights' scratch, scratch floats a task */
+  int32_t *pick;
+  int64_t scratch;
 } AttendJob;
 
 static void attend_task(void *user_data, size_t i) {
   const AttendJob *j = (const AttendJob *)user_data;
-  attend_rows(j->shape, j->qrot, j->kcache, j->vcache, j->bias, j->out,
-              j->units * (int64_t)i / j->tasks, j->units * ((int64_t)i + 1) / j->tasks,
-              j->idx + (int64_t)i * j->scratch, j->e + (int64_t)i * (j->scratch + j->shape->D));
+  const AttendBlock *b = &j->block;
+  int64_t begin = j->units * (int64_t)i / j->tasks, end = j->units * ((int64_t)i + 1) / j->tasks;
+  if (j->step == 1) {
+    attend_weights(b, begin, end, j->e + (int64_t)i * j->scratch, j->pick + (int64_t)i * j->scratch);
+    return;
+  }
+  while (begin < end) { /* a range may run over from one KV head into the next */
+    const int64_t g = begin / j->per, c0 = begin % j->per;
+    const int64_t c1 = c0 + (end - begin) < j->per ? c0 + (end - begin) : j->per;
+    if (j->step == 0)
+      attend_scores(b, g, 8 * c0, 8 * c1 < b->U ? 8 * c1 : b->U);
+    else
+      attend_values(b, g, ATTEND_VALUE_DIMS * c0,
+                    ATTEND_VALUE_DIMS * c1 < b->a->D ? ATTEND_VALUE_DIMS * c1 : b->a->D);
+    begin += c1 - c0;
+  }
+}
+
+/* One step of a block over `units`, on the pool once it has ATTEND_MIN_TASK_MACS a task. */
+static OrtStatus *attend_step(const OrtApi *api, OrtKernelContext *ctx, AttendJob *j,
+                              int64_t cpus, int step, int64_t units, int64_t per,
+                              int64_t macs) {
+  int64_t tasks = macs / ATTEND_MIN_TASK_MACS;
+  if (tasks > TASKS_PER_CPU * cpus) tasks = TASKS_PER_CPU * cpus;
+  if (tasks > units) tasks = units;
+  if (tasks < 1) tasks = 1;
+  *j = (AttendJob){j->block, step, units, tasks, per, j->e, j->pick, j->scratch};
+  if (tasks == 1) {
+    attend_task(j, 0);
+    return NULL;
+  }
+  return api->KernelContext_ParallelFor(ctx, attend_task, (size_t)tasks, (size_t)tasks, j);
 }
 
 enum { A_Q, A_K, A_V, A_PAST_K, A_PAST_V, A_COS, A_SIN, A_POS, A_BIAS, A_INPUTS,
@@ -452,8 +485,8 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
 
   int64_t *q = NULL, *kd = NULL, *vd = NULL, *cache = NULL, *vcache = NULL, *cs = NULL,
           *sn = NULL, *pos = NULL, *bias = NULL, *ks = NULL, *vs = NULL;
-  float *qrot = NULL, *e = NULL;
-  int32_t *idx = NULL;
+  float *qrot = NULL, *w = NULL, *e = NULL;
+  int32_t *keys = NULL, *pick = NULL;
   AttendShape a = {0};
   if ((st = shape_of(api, in[A_Q], "query", 3, &q)) != NULL ||
       (st = shape_of(api, in[A_PAST_K], "past_key", 4, &cache)) != NULL ||
@@ -531,15 +564,17 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   if (ppresv != ppv) memcpy(ppresv, ppv, cache_bytes);
   if (S == 0) goto done;
 
-  const int64_t units = S * H, scratch = T + 8;
-  int64_t tasks = units * T * D * 2 / ATTEND_MIN_TASK_MACS;
-  if (tasks > TASKS_PER_CPU * k->cpus) tasks = TASKS_PER_CPU * k->cpus;
-  if (tasks > units) tasks = units;
-  if (tasks < 1) tasks = 1;
-  qrot = (float *)malloc((size_t)(units * D) * sizeof(float));
-  idx = (int32_t *)malloc((size_t)(tasks * scratch) * sizeof(int32_t));
-  e = (float *)malloc((size_t)(tasks * (scratch + D)) * sizeof(float));
-  if (qrot == NULL || idx == NULL || e == NULL) {
+  int64_t rows = ATTEND_SCORE_FLOATS / (H * (T + 8));
+  rows = rows > ATTEND_ROWS ? ATTEND_ROWS : (rows < 1 ? 1 : rows);
+  rows = rows > S ? S : rows;
+  const int64_t scratch = T + 8, most = TASKS_PER_CPU * k->cpus < rows * H
+                                            ? TASKS_PER_CPU * k->cpus : rows * H;
+  qrot = (float *)malloc((size_t)(S * H * D) * sizeof(float));
+  keys = (int32_t *)malloc((size_t)scratch * sizeof(int32_t));
+  w = (float *)malloc((size_t)(rows * H * (scratch + 1)) * sizeof(float));
+  e = (float *)malloc((size_t)(most * scratch + D) * sizeof(float)); /* and prepare's D */
+  pick = (int32_t *)malloc((size_t)(most * scratch) * sizeof(int32_t));
+  if (qrot == NULL || keys == NULL || w == NULL || e == NULL || pick == NULL) {
     st = attend_error(api, ORT_FAIL, "out of memory");
     goto done;
   }
@@ -547,12 +582,19 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   attend_prepare(&a, fq, q[2], packed ? fq + H * D : (const float *)pk, packed ? q[2] : Hk * D,
                  packed ? fq + (H + Hk) * D : (const float *)pv, packed ? q[2] : Hk * D,
                  positions, (const float *)pcos, (const float *)psin, qrot, ppresk, ppresv, e);
-  AttendJob job = {&a, qrot, ppresk, ppresv, (const float *)pbias, (float *)pout, idx, e,
-                   units, tasks, scratch};
-  if (tasks == 1)
-    attend_task(&job, 0);
-  else
-    st = api->KernelContext_ParallelFor(ctx, attend_task, (size_t)tasks, (size_t)tasks, &job);
+  for (int64_t r0 = 0; r0 < S && st == NULL; r0 += rows) {
+    const int64_t r1 = r0 + rows < S ? r0 + rows : S, n = (r1 - r0) * H;
+    const int64_t U = attend_keys(&a, (const float *)pbias, r0, r1, keys);
+    AttendJob job = {{&a, qrot, (const float *)pbias, ppresk, ppresv, (float *)pout, r0, r1,
+                      keys, U, w, w + n * scratch},
+                     0, 0, 0, 0, e, pick, scratch};
+    const int64_t dims = (D + ATTEND_VALUE_DIMS - 1) / ATTEND_VALUE_DIMS;
+    if ((st = attend_step(api, ctx, &job, k->cpus, 0, Hk * ((U + 7) / 8), (U + 7) / 8,
+                          n * U * D)) != NULL ||
+        (st = attend_step(api, ctx, &job, k->cpus, 1, n, 0, n * U * 2)) != NULL)
+      break;
+    st = attend_step(api, ctx, &job, k->cpus, 2, Hk * dims, dims, n * U * D);
+  }
 
 done:
   free(q);
@@ -567,8 +609,10 @@ done:
   free(ks);
   free(vs);
   free(qrot);
-  free(idx);
+  free(keys);
+  free(w);
   free(e);
+  free(pick);
   return st;
 }
 
