@@ -455,7 +455,10 @@ static OrtStatus *attend_step(const OrtApi *api, OrtKernelContext *ctx, AttendJo
   if (tasks > TASKS_PER_CPU * cpus) tasks = TASKS_PER_CPU * cpus;
   if (tasks > units) tasks = units;
   if (tasks < 1) tasks = 1;
-  *j = (AttendJob){j->block, step, units, tasks, per, j->e, j->pick, j->scratch};
+  j->step = step;
+  j->units = units;
+  j->tasks = tasks;
+  j->per = per;
   if (tasks == 1) {
     attend_task(j, 0);
     return NULL;
