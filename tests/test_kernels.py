@@ -160,7 +160,7 @@ class Rows(ctypes.Structure):
 def test_activation_codes_are_numpys_on_every_path():
     """The activations' int8 codes, scales and code sums on each path against numpy's
     (round half to even), with exact ties (peak 127: codes are x itself), clamping and a
-    zero block."""
+    zero block; stored block-major (blockq.h)."""
     x = np.random.default_rng(9).standard_normal((3, 96)).astype(np.float32)
     x[0, :32] = np.arange(-16, 16) + 0.5
     x[0, 0] = 127
@@ -171,14 +171,14 @@ def test_activation_codes_are_numpys_on_every_path():
     codes = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
     assert (codes[0, 0, 1:] == np.rint(x[0, 1:32])).all()  # the ties are in the oracle
     for lib, _ in every_path():
-        q, got_d = np.zeros((3, 96), np.int8), np.zeros((3, 3), np.float32)
+        q, got_d = np.zeros((3, 3, 32), np.int8), np.zeros((3, 3), np.float32)
         got_sum, isum = np.zeros_like(got_d), np.zeros((3, 3), np.int32)
         rows = Rows(q.ctypes.data, got_d.ctypes.data, got_sum.ctypes.data,
                     isum.ctypes.data, 3, 96)
         lib.blockq_quantize_rows(ctypes.c_void_p(x.ctypes.data), ctypes.byref(rows))
-        assert np.array_equal(q, codes.reshape(3, 96)) and np.array_equal(got_d, d)
-        assert np.array_equal(isum, codes.sum(-1, dtype=np.int32))
-        assert np.array_equal(got_sum, d * isum.astype(np.float32))
+        assert np.array_equal(q, codes.transpose(1, 0, 2)) and np.array_equal(got_d, d.T)
+        assert np.array_equal(isum, codes.sum(-1, dtype=np.int32).T)
+        assert np.array_equal(got_sum, d.T * isum.astype(np.float32))
 
 
 def silu_mul(x: np.ndarray) -> np.ndarray:

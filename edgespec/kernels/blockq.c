@@ -31,7 +31,7 @@ static void quantize_portable(const float *x, BlockqRows *rows) {
     for (int64_t m = 0; m < rows->M; ++m) {
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
-            int8_t *q = rows->q + m * K + b * 32;
+            int8_t *q = rows->q + (b * rows->M + m) * 32;
             float peak = 0.0f, d;
             for (int i = 0; i < 32; ++i) {
                 const float a = fabsf(v[i]);
@@ -43,7 +43,7 @@ static void quantize_portable(const float *x, BlockqRows *rows) {
                 q[i] = int8_code(v[i] * inv);
                 sum += q[i];
             }
-            store_block(rows, m * nb + b, d, sum);
+            store_block(rows, b * rows->M + m, d, sum);
         }
     }
 }
@@ -96,11 +96,11 @@ static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *
                 float acc = 0.0f;
                 for (int64_t b = 0; b < nb; ++b) {
                     const uint8_t *block = codes + (t * nb + b) * block_bytes;
-                    const int8_t *q = x->q + m * K + b * 32;
+                    const int8_t *q = x->q + (b * x->M + m) * 32;
                     int32_t dot = 0;
                     for (int g = 0; g < GROUPS; ++g)
                         for (int j = 0; j < 4; ++j) dot += code_at(block, bits, g, c, j) * q[g * 4 + j];
-                    const int64_t at = (t * nb + b) * LANES + c, row = m * nb + b;
+                    const int64_t at = (t * nb + b) * LANES + c, row = b * x->M + m;
                     acc = fmaf((float)dot, table_at(w->scales, w->half, at) * x->d[row], acc);
                     acc = fmaf(table_at(w->offsets, w->half, at), x->sum[row], acc);
                 }
@@ -139,7 +139,7 @@ static inline void prefetch_block(const BlockqWeight *w, const Ahead *a, int64_t
 
 static int32_t four_codes(const BlockqRows *x, int64_t m, int64_t b, int g) {
     int32_t four;
-    memcpy(&four, x->q + m * x->K + b * 32 + g * 4, 4);
+    memcpy(&four, x->q + (b * x->M + m) * 32 + g * 4, 4);
     return four;
 }
 
@@ -167,6 +167,9 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
         for (int i = 0; i < T; ++i)
             for (int r = 0; r < R; ++r) dot[i][r] = _mm512_setzero_si512();
         prefetch_block(wt, ahead, nb, b);
+        /* this block's codes, scales and sums of rows m0.. are adjacent (blockq.h) */
+        const int8_t *qb = x->q + (b * x->M + m0) * 32;
+        const float *db = x->d + b * x->M + m0, *sb = x->sum + b * x->M + m0;
         for (int h = 0; h < GROUPS / 2; ++h) { /* 64 bytes: groups 2h and 2h+1 */
             __m512i w[2][2];
             for (int i = 0; i < T; ++i) {
@@ -182,7 +185,9 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
             }
             for (int p = 0; p < 2; ++p) {
                 for (int r = 0; r < R; ++r) {
-                    const __m512i a = _mm512_set1_epi32(four_codes(x, m0 + r, b, 2 * h + p));
+                    int32_t four;
+                    memcpy(&four, qb + r * 32 + (2 * h + p) * 4, 4);
+                    const __m512i a = _mm512_set1_epi32(four);
                     for (int i = 0; i < T; ++i)
                         dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w[i][p], a);
                 }
@@ -193,10 +198,9 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
             const __m512 s = table16(wt->scales, half, at);
             const __m512 o = table16(wt->offsets, half, at);
             for (int r = 0; r < R; ++r) {
-                const int64_t row = (m0 + r) * nb + b;
-                const __m512 d = _mm512_mul_ps(s, _mm512_set1_ps(x->d[row]));
+                const __m512 d = _mm512_mul_ps(s, _mm512_set1_ps(db[r]));
                 acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), d, acc[i][r]);
-                acc[i][r] = _mm512_fmadd_ps(o, _mm512_set1_ps(x->sum[row]), acc[i][r]);
+                acc[i][r] = _mm512_fmadd_ps(o, _mm512_set1_ps(sb[r]), acc[i][r]);
             }
         }
     }
@@ -258,7 +262,7 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
             const __m256 s = table8(wt->scales, wt->half, at);
             const __m256 o = table8(wt->offsets, wt->half, at);
             for (int r = 0; r < R; ++r) {
-                const int64_t row = (m0 + r) * nb + b;
+                const int64_t row = b * x->M + m0 + r;
                 __m256i exact = dot[r][half];
                 if (bits == 8) exact = _mm256_add_epi32(exact, _mm256_set1_epi32(128 * x->isum[row]));
                 const __m256 d = _mm256_mul_ps(s, _mm256_set1_ps(x->d[row]));
@@ -348,11 +352,11 @@ VNNI static void quantize_vnni(const float *x, BlockqRows *rows) {
                 const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a[i], inv), lo), hi);
                 const __m512i c = _mm512_cvtps_epi32(
                     _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                _mm_storeu_si128((__m128i *)(rows->q + m * K + b * 32 + i * 16),
+                _mm_storeu_si128((__m128i *)(rows->q + (b * rows->M + m) * 32 + i * 16),
                                  _mm512_cvtepi32_epi8(c));
                 sum = _mm512_add_epi32(sum, c);
             }
-            store_block(rows, m * nb + b, d, _mm512_reduce_add_epi32(sum));
+            store_block(rows, b * rows->M + m, d, _mm512_reduce_add_epi32(sum));
         }
     }
 }
@@ -385,12 +389,12 @@ AVX2 static void quantize_avx2(const float *x, BlockqRows *rows) {
             /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
                                                      _mm256_packs_epi32(c[2], c[3]));
-            _mm256_storeu_si256((__m256i *)(rows->q + m * K + b * 32),
+            _mm256_storeu_si256((__m256i *)(rows->q + (b * rows->M + m) * 32),
                                 _mm256_permutevar8x32_epi32(bytes, order));
             __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
             s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
             s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-            store_block(rows, m * nb + b, d, _mm_cvtsi128_si32(s));
+            store_block(rows, b * rows->M + m, d, _mm_cvtsi128_si32(s));
         }
     }
 }

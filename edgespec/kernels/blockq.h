@@ -27,7 +27,9 @@ int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes
  * q (round to nearest even of x / d, d = max|x| / 127, 0 for a zero block), and per row and
- * block d, sum = d * (sum of the codes) and isum = the sum of the codes. */
+ * block d, sum = d * (sum of the codes) and isum = the sum of the codes. Block-major: row m's
+ * codes of block b at q + (b*M + m)*32, its d, sum and isum at b*M + m, so the rows a kernel
+ * multiplies together lie side by side at fixed offsets. */
 typedef struct {
     int8_t *q;
     float *d, *sum;
