@@ -306,7 +306,9 @@ def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
 @click.option("--tree-budget", default=0, show_default=True, type=click.IntRange(0, 1024),
               help="Spec mode: verify a draft token tree of this many nodes (0: a chain).")
 @click.option("--adaptive/--fixed", default=False, show_default=True,
-              help="Tune the chain length per pass (up to --draft-tokens) from measurements.")
+              help="Tune the chain length per pass (up to --draft-tokens) from measurements; "
+                   "with a draft head, choose per pass between copying, the head and a plain "
+                   "step.")
 @click.option("--stop-rule", type=click.Choice(["none", "confidence", "entropy"]),
               default="none", show_default=True,
               help="End a chain early when the draft is unsure (confidence < 0.4, or SVIP).")

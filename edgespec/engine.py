@@ -36,7 +36,7 @@ from edgespec.spec import (
     chain_decode,
     tree_decode,
 )
-from edgespec.spec.adaptive import STOP_RULES, GammaController
+from edgespec.spec.adaptive import STOP_RULES, GammaController, HybridController
 from edgespec.spec.drafters import TrimmedModel
 from edgespec.spec.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, log_softmax, token_logprob
 from edgespec.stops import StopStrings, check_stops
@@ -71,10 +71,12 @@ class GenerationConfig:
     # own (Engine.resolve)
     draft_tokens: int | None = None
     # with a draft head: where the last 2+ tokens occurred before, propose up to this many
-    # of the tokens that followed them instead (HybridDrafter); None: 4 for a head's fixed
-    # chains, 0 (the head alone) otherwise
+    # of the tokens that followed them instead (HybridDrafter); None: 4 with a head, 0
+    # otherwise
     lookup_tokens: int | None = None
-    adaptive: bool = False  # tune γ per pass from measured acceptance and costs
+    # tune γ per pass from measured acceptance and costs; with a head and lookup_tokens,
+    # choose each pass's source too (HybridController)
+    adaptive: bool = False
     stop_rule: str = "none"  # "confidence" or "entropy": end a chain when the draft is unsure
     stop_threshold: float = 0.4
     stop: list[str] = field(default_factory=list)  # end (and cut) the text at these strings
@@ -274,12 +276,14 @@ class Engine:
         draft head's fixed chains default to γ = 1, since its drafts past the first are
         rarely accepted (measured on SmolLM2 and Gemma 3: γ = 1 1.01–1.07× AR, γ = 4
         0.65–0.82×, see README "Draft heads"); other drafters and adaptive chains to 4.
-        A head's fixed chains copy up to 4 tokens where the text repeats (HybridDrafter)."""
+        A head's chains copy up to 4 tokens where the text repeats (HybridDrafter); adaptive
+        ones choose per pass between a copy, head tokens and a plain step
+        (HybridController)."""
         mode = self.default_mode if config.mode is None else config.mode
-        head_chains = bool(self.head) and mode == "spec" and not config.adaptive
+        head_chains = bool(self.head) and mode == "spec"
         gamma = config.draft_tokens
         if gamma is None:
-            gamma = 1 if head_chains else 4
+            gamma = 1 if head_chains and not config.adaptive else 4
         copies = config.lookup_tokens
         if copies is None:
             copies = 4 if head_chains else 0
@@ -395,11 +399,13 @@ class Engine:
                 drafter = LookupDrafter(vocab)
             elif self.head:
                 drafter = self._head_drafter(config)
-                if config.lookup_tokens:
-                    drafter = HybridDrafter(drafter, config.lookup_tokens)
             else:
                 drafter = ModelDrafter(self.draft, config.stop_rule, config.stop_threshold)
             controller = GammaController(config.draft_tokens) if config.adaptive else None
+            if self.head and config.mode == "spec" and config.lookup_tokens:
+                controller = (HybridController(config.lookup_tokens, config.draft_tokens)
+                              if config.adaptive else None)
+                drafter = HybridDrafter(drafter, config.lookup_tokens, controller=controller)
             steps = chain_decode(self.target, drafter, ids, config.sampling,
                                  config.draft_tokens, rng, stats, controller, on_logits)
         stop = StopStrings(config.stop)

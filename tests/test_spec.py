@@ -453,6 +453,34 @@ def test_gamma_controller_follows_acceptance_and_costs():
     assert probes == [bad.probe_every - 1, 2 * bad.probe_every] and chosen[probes[0]] == 1
 
 
+def test_hybrid_controller_drafts_what_pays():
+    """Copies where they are accepted and passes cost little more per row; plain steps
+    where a sampled copy is rejected at once and each extra row costs 40% of a step
+    (long context); the head where it is accepted; and a probe of a source passed over
+    `probe_every` times."""
+    from edgespec.spec.adaptive import HybridController
+
+    def run(c: HybridController, found: int, accepted: int, per_row: float,
+            head_s: float = 0.001) -> tuple[str, int]:
+        source, n = c.plan(found)
+        c.update(n, min(n, accepted), head_s * n if source == "head" else 0.0,
+                 0.010 * (1 + per_row * n))
+        return source, n
+
+    cheap, long, head = HybridController(4), HybridController(4), HybridController(4)
+    for _ in range(20):
+        run(cheap, 4, 4, 0.02)
+        run(long, 4, 0, 0.4)
+        run(head, 0, 1, 0.02)
+    assert cheap.plan(4) == ("copy", 4) and head.plan(0) == ("head", 1)
+    assert cheap.expected("copy", 4) > 4.5 and long.accept["copy"][0] < 0.5
+    chosen = [run(long, 4, 0, 0.4) for _ in range(2 * long.probe_every)]
+    for source in ("copy", "head"):  # each probed once per probe_every passes over it
+        probes = [i for i, (s, _) in enumerate(chosen) if s == source]
+        assert len(probes) == 2 and probes[1] - probes[0] == long.probe_every
+    assert sum(s == "plain" for s, _ in chosen) == len(chosen) - 4
+
+
 @pytest.mark.parametrize("kwargs", [{"stop_rule": "confidence"}, {"stop_rule": "entropy"},
                                     {"adaptive": True}])
 def test_adaptive_chains_stay_lossless(kwargs):

@@ -39,12 +39,35 @@ def should_stop(probs: np.ndarray, rule: str, threshold: float = 0.4) -> bool:
     return False
 
 
-class GammaController:
-    """Picks the chain length that maximizes expected tokens per second.
+class PassCosts:
+    """What a target pass of S tokens costs: the median of the last `window` measured.
 
-    Costs are medians of the last `window` measurements (per verified length S): on a
-    busy machine one pass in a few is delayed several-fold, and a moving average would
-    carry such a spike for many passes (and keep γ = 0 from ever being re-measured)."""
+    Medians, not moving averages: on a busy machine one pass in a few is delayed
+    several-fold, and an average would carry such a spike for many passes (and keep a
+    plain step from ever being chosen, so re-measured, again)."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self._seconds: dict[int, deque[float]] = {}
+
+    def add(self, s: int, seconds: float) -> None:
+        self._seconds.setdefault(s, deque(maxlen=self.window)).append(seconds)
+
+    def measured(self, s: int) -> bool:
+        return s in self._seconds
+
+    def __bool__(self) -> bool:
+        return bool(self._seconds)
+
+    def __call__(self, s: int) -> float:
+        """An S not measured yet costs as much as the nearest measured one."""
+        nearest = min(self._seconds, key=lambda k: (abs(k - s), k))
+        return median(self._seconds[nearest])
+
+
+class GammaController:
+    """Picks the chain length that maximizes expected tokens per second, from the medians
+    of the recent draft and verify costs (PassCosts)."""
 
     def __init__(self, max_gamma: int, alpha: float = 0.7, decay: float = 0.8,
                  probe_every: int = 32, window: int = 9):
@@ -52,11 +75,10 @@ class GammaController:
         self.alpha = alpha
         self.decay = decay
         self.probe_every = probe_every
-        self.window = window
         self.plain_steps = 0  # consecutive passes that drafted nothing
         self.updates = 0
         self._draft: deque[float] = deque(maxlen=window)  # seconds per draft pass
-        self._verify: dict[int, deque[float]] = {}  # seconds per verify pass of S tokens
+        self._verify = PassCosts(window)
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         # a draft pass right after another drafting pass catches up on one pass's tokens;
@@ -72,20 +94,17 @@ class GammaController:
             self.alpha = min(0.99, max(0.01, self.decay * self.alpha + (1 - self.decay) * rate))
             if steady:
                 self._draft.append(draft_s / drafted)
-        self._verify.setdefault(drafted + 1, deque(maxlen=self.window)).append(verify_s)
+        self._verify.add(drafted + 1, verify_s)
 
     def gamma(self) -> int:
         if not self._draft or not self._verify:
             return self.max_gamma
-        if 1 not in self._verify:
+        if not self._verify.measured(1):
             return 0  # what a plain step costs is measured once, on the second pass
         a, draft = self.alpha, median(self._draft)
-        verify = {s: median(v) for s, v in self._verify.items()}
 
         def rate(g: int) -> float:
-            # an S not measured yet costs as much as the nearest measured one
-            s = min(verify, key=lambda k: (abs(k - g - 1), k))
-            return (1 - a ** (g + 1)) / (1 - a) / (g * draft + verify[s])
+            return (1 - a ** (g + 1)) / (1 - a) / (g * draft + self._verify(g + 1))
 
         best = max(range(self.max_gamma + 1), key=rate)
         if best == 0 and self.plain_steps >= self.probe_every:
@@ -93,3 +112,104 @@ class GammaController:
             # along a chain (one-token probes made longer chains look worse than they are)
             return max(range(1, self.max_gamma + 1), key=rate)
         return best
+
+
+class HybridController:
+    """Per pass, which draft pays for a head with prompt lookup (HybridDrafter): copying
+    up to `max_copy` tokens that followed the text's last n-gram before, `head_gamma`
+    head tokens, or no draft at all (a plain step).
+
+    Each option's expected tokens per second is its expected committed tokens over its
+    measured cost: a copy of L tokens costs a verify pass of L + 1 (looking up is free), a
+    head chain of γ costs γ head steps and a pass of γ + 1, a plain step a pass of 1.
+    Copies are right to the end or wrong at the first token more often than independent
+    trials would be (a quoted span either is quoted or is not), so acceptance is kept per
+    source and position: a[i] = P(proposal i accepted | those before it were), a moving
+    average of what passes measured, and E(L) = 1 + sum over i <= L of a[1]...a[i]. When
+    the long-context passes of RAG and summaries cost far more per extra token than
+    sampled copies commit, this drafts less or steps plainly; it reads only past outcomes
+    and timings, never the tokens being verified, so decoding stays lossless. A source
+    passed over `probe_every` times where it could have drafted drafts its best option
+    once anyway, to keep the acceptance it is judged by measured. A plain step must beat
+    the best draft by `plain_margin`: head passes amid copies catch up on the copied runs
+    and find their weights evicted, so they measure dearer than a steady chain's, and on
+    SmolLM2's short-context greedy chat a head breaking even by these measurements still
+    gained (plain steps instead: 0.94-0.97x the fixed chains).
+    """
+
+    plain_margin = 1.1
+
+    def __init__(self, max_copy: int, head_gamma: int = 1, decay: float = 0.9,
+                 probe_every: int = 16, window: int = 9):
+        # priors: what SmolLM2's greedy chat and code measured (README "Draft heads")
+        self.accept = {"copy": [0.7] * max_copy, "head": [0.45] * head_gamma}
+        self.head_gamma, self.decay, self.probe_every = head_gamma, decay, probe_every
+        self.source: str | None = None  # what the pass being verified drafted from
+        self.passed_over = {"copy": 0, "head": 0}  # since each last drafted where it could
+        self.updates = 0
+        self.drafted_last = self.head_started = False
+        self._head: deque[float] = deque(maxlen=window)  # seconds per head token
+        self._verify = PassCosts(window)
+
+    def gamma(self) -> int:
+        """The most head tokens a pass drafts (chain_decode's controller interface)."""
+        return self.head_gamma
+
+    def expected(self, source: str, n: int) -> float:
+        """Tokens a pass commits when it drafts `n` tokens from `source`."""
+        tokens, reach = 1.0, 1.0
+        for a in self.accept[source][:n]:
+            reach *= a
+            tokens += reach
+        return tokens
+
+    def plan(self, found: int) -> tuple[str, int]:
+        """(source, how many to draft): ("copy", L), ("head", γ) or ("plain", 0), given
+        `found` copied tokens on offer."""
+        found = min(found, len(self.accept["copy"]))
+        if not self._head and not found:
+            choice = ("head", self.head_gamma)  # what a head step costs, measured first
+        elif not self._verify:
+            choice = ("copy", found) if found else ("head", self.head_gamma)
+        elif not self._verify.measured(1):
+            choice = ("plain", 0)  # what a plain step costs, measured once
+        else:
+            choice = self._best(found)
+        self.source = choice[0] if choice[1] else None
+        for source in ("copy", "head") if found else ("head",):
+            self.passed_over[source] = 0 if source == self.source else \
+                self.passed_over[source] + 1
+        return choice
+
+    def _best(self, found: int) -> tuple[str, int]:
+        head = median(self._head) if self._head else 0.0
+        options = [("copy", n) for n in range(1, found + 1)]
+        options += [("head", g) for g in range(1, self.head_gamma + 1)]
+
+        def rate(option: tuple[str, int]) -> float:
+            source, n = option
+            cost = self._verify(n + 1) + (n * head if source == "head" else 0.0)
+            return self.expected(source, n) / cost
+
+        best = max(options, key=rate)
+        for probed in ("copy", "head") if found else ("head",):
+            if self.passed_over[probed] + 1 >= self.probe_every:
+                best = max((o for o in options if o[0] == probed), key=rate)
+                return best
+        return best if rate(best) * self.plain_margin > 1 / self._verify(1) else ("plain", 0)
+
+    def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if drafted and self.source is not None:
+            rates = self.accept[self.source]
+            for i in range(min(accepted + 1, drafted)):  # up to the first rejection
+                rates[i] = self.decay * rates[i] + (1 - self.decay) * (i < accepted)
+            # a head pass right after a drafting pass catches up on that pass's tokens;
+            # its first (the prompt) and one after plain steps on many, which is no
+            # head step's cost (counting it would make plain steps look cheaper still)
+            if self.source == "head":
+                if self.head_started and self.drafted_last:
+                    self._head.append(draft_s / drafted)
+                self.head_started = True
+        self.drafted_last = drafted > 0
+        self.updates += 1
+        self._verify.add(drafted + 1, verify_s)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from edgespec.spec.adaptive import should_stop
+from edgespec.spec.adaptive import HybridController, should_stop
 from edgespec.spec.sampling import SamplingParams, sample_cdf, sample_probs, warp
 from edgespec.spec.stats import GenerationStats
 from edgespec.spec.tree import NEG_INF, DraftTree, Ranked, expand, expand_best_first, top_logprobs
@@ -238,20 +238,34 @@ class HybridDrafter:
     code, summary and RAG answers, and 2.7-2.8 of the 4 tokens it proposes are right; the
     head's one token, 30-40%). The choice reads committed tokens only, so verification
     stays lossless; the head catches up on the states of a copied run at its next chain.
+
+    With a `controller` (spec.adaptive.HybridController) each pass drafts what its
+    measured acceptance and pass costs say pays most: part of the copy, the head's chain,
+    or nothing.
     """
 
-    def __init__(self, head: HeadDrafter, lookup_tokens: int = 4, min_ngram: int = 2):
+    def __init__(self, head: HeadDrafter, lookup_tokens: int = 4, min_ngram: int = 2,
+                 controller: HybridController | None = None):
         self.head = head
         self.lookup_tokens, self.min_ngram = lookup_tokens, min_ngram
+        self.controller = controller
 
     def reset(self) -> None:
         self.head.reset()
 
     def propose(self, tokens, n, params, rng, stats):
         found = lookup(np.asarray(tokens), self.lookup_tokens, 3, self.min_ngram)
-        if not found:
+        if self.controller is not None:
+            source, n = self.controller.plan(len(found))
+        elif found:
+            source, n = "copy", len(found)
+        else:
+            source = "head"
+        if source == "copy":
+            return copied(found[:n], params, self.head.vocab_size)
+        if source == "head":
             return self.head.propose(tokens, n, params, rng, stats)
-        return copied(found, params, self.head.vocab_size)
+        return [], None
 
     def rollback(self, committed: int) -> None:
         self.head.rollback(committed)
