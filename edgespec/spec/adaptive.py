@@ -146,7 +146,6 @@ class HybridController:
         self.head_gamma, self.decay, self.probe_every = head_gamma, decay, probe_every
         self.source: str | None = None  # what the pass being verified drafted from
         self.passed_over = {"copy": 0, "head": 0}  # since each last drafted where it could
-        self.updates = 0
         self.drafted_last = self.head_started = False
         self._head: deque[float] = deque(maxlen=window)  # seconds per head token
         self._verify = PassCosts(window)
@@ -194,8 +193,7 @@ class HybridController:
         best = max(options, key=rate)
         for probed in ("copy", "head") if found else ("head",):
             if self.passed_over[probed] + 1 >= self.probe_every:
-                best = max((o for o in options if o[0] == probed), key=rate)
-                return best
+                return max((o for o in options if o[0] == probed), key=rate)
         return best if rate(best) * self.plain_margin > 1 / self._verify(1) else ("plain", 0)
 
     def update(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
@@ -211,5 +209,4 @@ class HybridController:
                     self._head.append(draft_s / drafted)
                 self.head_started = True
         self.drafted_last = drafted > 0
-        self.updates += 1
         self._verify.add(drafted + 1, verify_s)
