@@ -401,11 +401,12 @@ class Engine:
                 drafter = self._head_drafter(config)
             else:
                 drafter = ModelDrafter(self.draft, config.stop_rule, config.stop_threshold)
-            controller = GammaController(config.draft_tokens) if config.adaptive else None
             if self.head and config.mode == "spec" and config.lookup_tokens:
                 controller = (HybridController(config.lookup_tokens, config.draft_tokens)
                               if config.adaptive else None)
                 drafter = HybridDrafter(drafter, config.lookup_tokens, controller=controller)
+            else:
+                controller = GammaController(config.draft_tokens) if config.adaptive else None
             steps = chain_decode(self.target, drafter, ids, config.sampling,
                                  config.draft_tokens, rng, stats, controller, on_logits)
         stop = StopStrings(config.stop)
