@@ -22,13 +22,20 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="kernel library 
 H, HK, D, MAX, POSITIONS = 6, 2, 32, 64, 80
 
 
+# the caches' kinds: op, ONNX element type, numpy dtype
+CACHES = {"float": ("Attention", TensorProto.FLOAT, np.float32),
+          "int8": ("AttentionInt8", TensorProto.INT8, np.int8),
+          "half": ("AttentionHalf", TensorProto.FLOAT16, np.float16)}
+
+
 def session(packed: bool = False, softcap: float = 0.0, threads: int = 2,
-            d: int = D, int8: bool = False) -> ort.InferenceSession:
-    """One Attention op (AttentionInt8 with `int8`: int8 caches, k_scale and v_scale)."""
+            d: int = D, kind: str = "float") -> ort.InferenceSession:
+    """One Attention op (AttentionInt8: int8 caches, k_scale and v_scale; AttentionHalf:
+    float16 caches)."""
     f = TensorProto.FLOAT
-    cache = TensorProto.INT8 if int8 else f
+    op, cache, _ = CACHES[kind]
     names = ["q", "k", "v", "past_key", "past_value", "cos", "sin", "position_ids", "bias"]
-    names += ["k_scale", "v_scale"] if int8 else []
+    names += ["k_scale", "v_scale"] if kind == "int8" else []
     shapes = {"q": [1, "S", (H + 2 * HK) * d if packed else H * d], "k": [1, "S", HK * d],
               "v": [1, "S", HK * d], "past_key": [1, HK, MAX, d], "past_value": [1, HK, MAX, d],
               "cos": [POSITIONS, "half"], "sin": [POSITIONS, "half"], "position_ids": [1, "S"],
@@ -36,7 +43,7 @@ def session(packed: bool = False, softcap: float = 0.0, threads: int = 2,
     types = {"position_ids": TensorProto.INT64, "past_key": cache, "past_value": cache}
     used = [n for n in names if not (packed and n in ("k", "v"))]
     inputs = [helper.make_tensor_value_info(n, types.get(n, f), shapes[n]) for n in used]
-    node = helper.make_node("AttentionInt8" if int8 else "Attention",
+    node = helper.make_node(op,
                             ["" if packed and n in ("k", "v") else n for n in names],
                             ["out", "present_key", "present_value"], domain=kernels.DOMAIN,
                             num_heads=H, kv_num_heads=HK, scale=d ** -0.5,
@@ -64,20 +71,19 @@ class Stream:
     """Random queries, keys and values for a sequence, and the op fed them in passes."""
 
     def __init__(self, n: int, seed: int = 0, half: int = D // 2, d: int = D,
-                 int8: bool = False):
+                 kind: str = "float"):
         rng = np.random.default_rng(seed)
         self.d = d
         self.q = rng.standard_normal((n, H, d)).astype(np.float32)
         self.k = rng.standard_normal((n, HK, d)).astype(np.float32)
         self.v = rng.standard_normal((n, HK, d)).astype(np.float32)
         self.cos, self.sin = tables(half)
-        self.cache = [np.zeros((1, HK, MAX, d), np.int8 if int8 else np.float32)
-                      for _ in range(2)]
+        self.cache = [np.zeros((1, HK, MAX, d), CACHES[kind][2]) for _ in range(2)]
         # per KV head and channel, as export.kv_quant calibrates them on what the cache
         # holds (rotated keys): peak * 1.1 / 127
         keys = rotated(self.k, np.arange(n), self.cos, self.sin)
         self.scales = [(np.abs(a).max(0)[:, None, :] * 1.1 / 127).astype(np.float32)
-                       for a in (keys, self.v)] if int8 else None
+                       for a in (keys, self.v)] if kind == "int8" else None
         self.past = 0
 
     def feed(self, run: ort.InferenceSession, tokens: list[int], positions: list[int],
@@ -148,15 +154,16 @@ def decoy_tree(depth: int) -> tuple[DraftTree, list[int]]:
     return tree, path
 
 
-@pytest.mark.parametrize("threads,int8", [(1, False), (2, False), (2, True)])
-def test_a_token_attends_the_same_alone_in_a_chain_and_on_a_tree_branch(threads, int8):
+@pytest.mark.parametrize("threads,kind", [(1, "float"), (2, "float"), (2, "int8"),
+                                          (2, "half")])
+def test_a_token_attends_the_same_alone_in_a_chain_and_on_a_tree_branch(threads, kind):
     """Bitwise: tokens 10..26 after a 10-token prefix, fed one at a time, in chains of 5
     and 17, and as the path of a tree whose decoy siblings sit between the path's nodes."""
-    run = session(threads=threads, int8=int8)
+    run = session(threads=threads, kind=kind)
     prefix = list(range(10))
 
     def after_prefix() -> Stream:
-        st = Stream(60, seed=1, int8=int8)
+        st = Stream(60, seed=1, kind=kind)
         st.feed(run, prefix, prefix, causal_bias(0, 10))
         return st
     st = after_prefix()
@@ -175,44 +182,44 @@ def test_a_token_attends_the_same_alone_in_a_chain_and_on_a_tree_branch(threads,
     assert np.array_equal(out[[0, *(1 + n for n in path)]], alone[:9])
 
 
-@pytest.mark.parametrize("d,int8", [(32, False), (40, False), (40, True)])
+@pytest.mark.parametrize("d,kind", [(32, "float"), (40, "float"), (40, "int8"), (40, "half")])
 @pytest.mark.parametrize("window", [0, 20])
-def test_a_long_pass_attends_each_row_as_if_fed_alone(d, int8, window):
+def test_a_long_pass_attends_each_row_as_if_fed_alone(d, kind, window):
     """A pass longer than a block of rows (32) is attended block after block, a head of
     5 x 8 dimensions ends on an 8-wide slice of values, and under a sliding window a row
     sees a run of keys that starts past the block's first: each row equals its token fed
     alone (bitwise), and numpy's attention."""
-    run, n = session(d=d, int8=int8), 50
+    run, n = session(d=d, kind=kind), 50
 
     def bias(past: int, s: int) -> np.ndarray:
         b = causal_bias(past, s)
         for row in range(s):
             b[0, 0, row, :max(0, past + row + 1 - window) if window else 0] = NEG_INF
         return b
-    st = Stream(n, seed=3, half=d // 2, d=d, int8=int8)
+    st = Stream(n, seed=3, half=d // 2, d=d, kind=kind)
     whole = st.feed(run, list(range(n)), list(range(n)), bias(0, n))
-    st = Stream(n, seed=3, half=d // 2, d=d, int8=int8)
+    st = Stream(n, seed=3, half=d // 2, d=d, kind=kind)
     alone = np.stack([st.feed(run, [t], [t], bias(t, 1))[0] for t in range(n)])
     assert np.array_equal(whole, alone)
-    if not int8:
+    if kind == "float":
         assert np.abs(whole - reference(st, list(range(n)), list(range(n)), bias(0, n))
                       ).max() < 1e-5
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_every_path_gives_the_same_bits(int8):
+@pytest.mark.parametrize("kind", list(CACHES))
+def test_every_path_gives_the_same_bits(kind):
     bias = causal_bias(0, 30)
     bias[0, 0, 20:, 2:9] = NEG_INF
     results, caches = [], []
     for _, _path in every_path():
-        st = Stream(30, seed=2, int8=int8)
-        results.append(st.feed(session(int8=int8), list(range(30)), list(range(30)), bias))
+        st = Stream(30, seed=2, kind=kind)
+        results.append(st.feed(session(kind=kind), list(range(30)), list(range(30)), bias))
         caches.append(st.cache)
     assert len(results) == kernels.path() + 1
     for r, c in zip(results[1:], caches[1:], strict=True):
         assert np.array_equal(r, results[0])
         assert all(np.array_equal(a, b) for a, b in zip(c, caches[0], strict=True))
-    if not int8:
+    if kind == "float":
         assert np.abs(results[0] - reference(Stream(30, seed=2), list(range(30)),
                                              list(range(30)), bias)).max() < 1e-5
 
@@ -220,8 +227,8 @@ def test_every_path_gives_the_same_bits(int8):
 def test_int8_caches_hold_the_codes_and_attend_with_them():
     """Codes round(x / scale) half to even per KV head and channel; the output is the float
     attention over the dequantized keys and values."""
-    run = session(int8=True)
-    st = Stream(20, seed=5, int8=True)
+    run = session(kind="int8")
+    st = Stream(20, seed=5, kind="int8")
     bias = causal_bias(0, 20)
     out = st.feed(run, list(range(20)), list(range(20)), bias)
     ks, vs = (s[:, 0].astype(np.float64) for s in st.scales)
@@ -238,6 +245,33 @@ def test_int8_caches_hold_the_codes_and_attend_with_them():
     deq.q = queries
     want = reference(deq, list(range(20)), list(range(20)), bias)
     assert np.abs(out - want).max() < 1e-4
+
+
+def test_half_caches_hold_the_rounded_values_and_attend_with_them():
+    """Keys (rotated) and values stored as numpy's float16 of them (nearest even), those
+    past 65504 saturated rather than infinite; the output is the float attention over what
+    the caches hold."""
+    run = session(kind="half")
+    st = Stream(20, seed=6, kind="half")
+    st.v[3, 1, :4] = [70000.0, -1e6, 65519.0, 65520.0]  # saturated, and the rounding edge
+    bias = causal_bias(0, 20)
+    st.feed(run, list(range(20)), list(range(20)), bias)
+    keys = rotated(st.k, np.arange(20), st.cos, st.sin).astype(np.float32)
+    held_keys = st.cache[0][0, :, :20].transpose(1, 0, 2)
+    held_values = st.cache[1][0, :, :20].transpose(1, 0, 2)
+    assert np.array_equal(held_keys, keys.astype(np.float16))
+    want_values = np.clip(st.v, -65504, 65504).astype(np.float16)
+    assert np.array_equal(held_values, want_values)
+    assert list(held_values[3, 1, :4]) == [65504, -65504, 65504, 65504]
+    st.v[3, 1, :4] = 0.0  # the float reference over ordinary values
+    held = Stream(20, seed=6)
+    held.k, held.v = held_keys.astype(np.float32), st.v.astype(np.float16).astype(np.float32)
+    held.cos, held.sin = np.ones_like(st.cos), np.zeros_like(st.sin)  # keys come rotated
+    held.q = rotated(st.q, np.arange(20), st.cos, st.sin).astype(np.float32)
+    fresh = Stream(20, seed=6, kind="half")
+    fresh.v[3, 1, :4] = 0.0
+    out = fresh.feed(run, list(range(20)), list(range(20)), bias)
+    assert np.abs(out - reference(held, list(range(20)), list(range(20)), bias)).max() < 1e-5
 
 
 def test_the_cache_is_written_in_place_when_bound_as_past_and_present():

@@ -6,7 +6,7 @@ speculative decoding equals greedy AR on real prompts, not only on the demo pair
 
 The oracle is the runtime's own single-token passes (edgespec.runtimes.exactness).
 Token tree passes are bitwise too where attention runs on edgespec's own op (the cpu
-profile, where the kernel library is built; float and int8 caches): a node on a tree branch
+profile, where the kernel library is built; float, float16 and int8 caches): a node on a tree branch
 gets the logits the same token gets in a chain, and tree decoding then decides tokens from
 the tree pass alone. With ONNX Runtime's GroupQueryAttention (bundles for installs without the
 library) they are not (its softmax sums a row's keys in SIMD lanes, so
@@ -121,8 +121,8 @@ def smollm2(root, precision: str, kv: str = "float", block: int = 32,
 
 @pytest.mark.parametrize("precision,kv,block,quant", [
     ("fp32", "float", 32, "k"), ("fp16", "float", 32, "k"), ("int8", "float", 32, "k"),
-    ("int8", "int8", 32, "k"), ("int4", "float", 16, "k"), ("int2", "float", 32, "k"),
-    ("int8", "int8", 32, "rot")])
+    ("int8", "float16", 32, "k"), ("int8", "int8", 32, "k"), ("int4", "float", 16, "k"),
+    ("int2", "float", 32, "k"), ("int8", "int8", 32, "rot")])
 def test_smollm2_chains_are_bitwise(smollm2_dir, precision, kv, block, quant):
     assert_exact(smollm2(smollm2_dir, precision, kv, block, quant=quant))
 

@@ -86,7 +86,7 @@ def test_int8_kv_takes_a_quarter_of_the_memory_and_segments_still_cut(kv8_bundle
 
 
 def test_kv_cache_errors(tmp_path, demo_target):
-    with pytest.raises(EdgespecError, match="neither 'float' nor 'int8'"):
+    with pytest.raises(EdgespecError, match="not one of auto, float, float16, int8"):
         export(demo_target, tmp_path / "b", kv_cache="int4")
     with pytest.raises(EdgespecError, match="GroupQueryAttention"):
         export(demo_target, tmp_path / "b", kv_cache="int8", ep_profile="dml",

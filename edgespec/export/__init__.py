@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from edgespec import __version__
+from edgespec import __version__, kernels
 from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
@@ -48,6 +48,7 @@ EXPORTED_PRECISIONS = ("fp32", "fp16", "int8", "int4", "int2")
 # compute dtype per EP profile: CUDA's GQA has only fp16/bf16 kernels; the CPU's fp16
 # kernels are slow or missing, so the CPU computes in fp32 whatever the weights are
 PROFILE_DTYPE = {"cpu": np.float32, "cuda": np.float16, "dml": np.float16}
+KV_CACHES = ("auto", "float", "float16", "int8")  # export's kv_cache
 # DirectML's GQA cannot verify several tokens against a cache and takes no bias
 PROFILE_ATTENTION = {"cpu": "gqa", "cuda": "gqa", "dml": "mha"}
 KV_LAYOUT = {"gqa": "gqa-shared-buffer", "mha": "mha-concat"}
@@ -94,11 +95,13 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                   draft_head_rows: np.ndarray | None = None,
                   kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
                   hidden_output: bool = False, stats: bool = False,
-                  hessians: dict[str, np.ndarray] | None = None) -> ModelEntry:
+                  hessians: dict[str, np.ndarray] | None = None,
+                  kv_half: bool | None = False) -> ModelEntry:
     """One model's graph and weights at `out/role.onnx`. `quant`: "k" (the GGUF recipe
     where it applies), "sym", "asym" or "rot" (rotated); k and rot take GPTQ's codes
     where `hessians` has the input's XᵀX (calibrate); `stats` adds calibrate's XᵀX
-    outputs to a float graph."""
+    outputs to a float graph. `kv_half`: float16 caches (None: where edgespec's attention
+    op runs, build_decoder)."""
     task = progress.add_task(f"{role}: loading {source.label}", total=None)
     ckpt = source.load()
     adapter = adapter_for(ckpt)
@@ -136,7 +139,8 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                           symmetric=quant != "asym", nested=nested,
                           draft_head_rows=draft_head_rows, kv_scales=kv_scales,
                           on_layer=lambda i: progress.advance(task),
-                          hidden_output=hidden_output, rotation=rotated, hessians=hessians)
+                          hidden_output=hidden_output, rotation=rotated, hessians=hessians,
+                          kv_half=kv_half)
     if stats:
         add_stat_outputs(model)
     progress.update(task, description=f"{role}: writing {role}.onnx")
@@ -149,13 +153,19 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
         architecture=spec.architecture, precision=precision,
         block_size=(None if precision in ("fp32", "fp16", "gguf") or recipe or rotated
                     else block_size),
-        kv_dtype="int8" if kv_scales is not None else np.dtype(PROFILE_DTYPE[ep_profile]).name,
+        kv_dtype=kv_dtype_of(model),
         compute_dtype=np.dtype(PROFILE_DTYPE[ep_profile]).name, kv_layout=KV_LAYOUT[attention],
         vocab_size=rows_of(head), hidden_size=spec.hidden_size, num_layers=spec.num_layers,
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
         head_dim=kv_head_dim(spec, attention),
         max_positions=spec.max_positions, params=params, source=source.name,
         nested="target" if nested == "shared" else "")
+
+
+def kv_dtype_of(model: onnx.ModelProto) -> str:
+    """The element type of a decoder graph's KV cache, as numpy names it."""
+    past = next(i for i in model.graph.input if i.name == "past_key_0")
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(past.type.tensor_type.elem_type)).name
 
 
 def _save(model: onnx.ModelProto, out: Path, role: str) -> None:
@@ -283,7 +293,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
            ep_profile: str = "cpu", accuracy_level: int = 4, quant: str = "k",
            calibration: str | Path | None = "self", vocab_trim: int | None = None,
            trim_source: str = "target",
-           trim_prompts: list[str] | None = None, kv_cache: str = "float",
+           trim_prompts: list[str] | None = None, kv_cache: str = "auto",
            overwrite: bool = False, requantize: bool = False,
            trust_remote_code: bool = False, console: Console | None = None,
            summary: bool = True) -> Manifest:
@@ -309,7 +319,13 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     the target's own generations (`trim_source="target"`, prompts from `trim_prompts`
     or a built-in set) or in a corpus (`trim_source="corpus:PATH"`).
     `kv_cache="int8"` stores both models' KV caches as int8 codes with per-channel scales
-    calibrated on the built-in prompts and the target's own continuations.
+    calibrated on the built-in prompts and the target's own continuations; "float16" as
+    IEEE halves on the cpu profile (the cuda and dml profiles' float caches are float16
+    already): half the memory, and half the bytes a step reads at long context, where the
+    caches outweigh the weights. "auto" (default): float16 for quantized weights where
+    edgespec's attention op runs them (measured on SmolLM2's Q4_1 file: the same KL against
+    its float weights as float caches, 0.0029), float otherwise (fp32 and fp16 exports
+    stay the float reference). A draft head's one-layer cache stays float.
     A GGUF file (target or draft) keeps every quantized tensor's own type, encoded so the
     effective weights are exactly llama.cpp's; its float tensors follow `precision`.
     `requantize=True` dequantizes them instead and quantizes everything to `precision`.
@@ -352,8 +368,12 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         draft = None
     if nested and ep_profile == "dml":
         raise EdgespecError("--draft nested works with the cpu and cuda profiles.")
-    if kv_cache not in ("float", "int8"):
-        raise EdgespecError(f"KV cache '{kv_cache}' is neither 'float' nor 'int8'.")
+    if kv_cache not in KV_CACHES:
+        raise EdgespecError(f"KV cache '{kv_cache}' is not one of {', '.join(KV_CACHES)}.")
+    if kv_cache == "float16" and ep_profile == "cpu" and not kernels.for_export():
+        raise EdgespecError("a float16 KV cache on the cpu profile needs edgespec's kernel "
+                            "library (built at install where a C compiler is found; see "
+                            "`edgespec doctor`); export with --kv-cache float.")
     if kv_cache == "int8" and ep_profile == "dml":
         raise EdgespecError("an int8 KV cache needs GroupQueryAttention: use the cpu or cuda "
                             "profile.")
@@ -390,6 +410,12 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
     `head_precision`: a draft head's weights (default: the target's precision)."""
     target_dir, eos_ids = target_src.tokenizer_dir, target_src.eos_ids
     columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
+    if ep_profile != "cpu":  # its floats are halves already
+        kv_half: bool | None = False
+    elif kv_cache == "auto":  # quantized weights: halves wherever edgespec's op runs
+        kv_half = None if precision not in ("fp32", "fp16") else False
+    else:
+        kv_half = kv_cache == "float16"
     try:
         with write_bundle(out, overwrite) as (tmp, finish), Progress(
                 *columns, console=console, transient=True) as progress:
@@ -406,7 +432,8 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             target_entry = _export_model(target_src, "target", tmp, precision, block_size,
                                          accuracy_level, ep_profile, quant, progress,
                                          nested="shared" if nested else None,
-                                         hidden_output=head is not None, hessians=hessians)
+                                         hidden_output=head is not None, hessians=hessians,
+                                         kv_half=kv_half)
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
                     if (draft_src or nested) and vocab_trim else None)
@@ -426,7 +453,7 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                                              draft_head_rows=kept if nested else None,
                                              kv_scales=target_scales,
                                              hidden_output=head is not None,
-                                             hessians=hessians)
+                                             hessians=hessians, kv_half=kv_half)
             quality = None
             if reference:
                 quality = _quality(tmp, target_entry, reference, ep_profile, target_dir,
@@ -439,7 +466,7 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             if draft_src:
                 draft_entry = _export_model(draft_src, "draft", tmp, draft_precision,
                                             block_size, accuracy_level, ep_profile, quant,
-                                            progress, head_rows=kept)
+                                            progress, head_rows=kept, kv_half=kv_half)
             # the draft meets the target's text; a head's one-layer cache stays float
             if draft_src and sequences is not None:
                 draft_entry = _export_model(

@@ -23,6 +23,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edgespec import kernels
+from edgespec.errors import EdgespecError
 from edgespec.export import blockq_ops, exact_rows, linear_ops
 from edgespec.export.architectures import DecoderSpec, LayerWeights, Weight
 from edgespec.quant.bitnest import NestedWeight, nest
@@ -120,6 +121,7 @@ class GraphBuilder:
         self.pad_attention = False  # only attention's passes do (every linear exact at one)
         self.own_kernel = False  # block-of-32 codes on edgespec's kernel (blockq_ops)
         self.own_attention = False  # edgespec's attention op instead of GQA (gqa)
+        self.kv_half = False  # its caches in float16 (AttentionHalf)
         self._six: list[tuple[str, np.ndarray]] = []
 
     def const(self, name: str, array: np.ndarray) -> str:
@@ -538,7 +540,9 @@ def gqa(g: GraphBuilder, spec: DecoderSpec, i: int, p: str, qkv: list[str], seql
         positions, bias = exact_rows.padded_positions(g), exact_rows.padded_bias(g, bias)
         seqlens_k, total = exact_rows.padded_lengths(g, seqlens_k, total)
     if g.own_attention:  # int8 caches: the scales follow the bias, without GQA's gap
-        return g.node("Attention" if kv_scales is None else "AttentionInt8",
+        op = "AttentionInt8" if kv_scales is not None else (
+            "AttentionHalf" if g.kv_half else "Attention")
+        return g.node(op,
                       [*qkv, f"past_key_{i}", f"past_value_{i}", *rope, positions, bias,
                        *quantized[1:]],
                       [f"{p}.attn", f"present_key_{i}", f"present_value_{i}"], f"{p}.attn",
@@ -652,7 +656,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                   rotation: Rotated | None = None,
                   hessians: dict[str, np.ndarray] | None = None,
                   last_logits: bool = False, own_kernel: bool | None = None,
-                  own_attention: bool | None = None) -> onnx.ModelProto:
+                  own_attention: bool | None = None,
+                  kv_half: bool | None = False) -> onnx.ModelProto:
     """The whole decoder step as one graph.
 
     Quantized precisions keep the embedding table in fp16 (a Gather reads S rows, so its
@@ -663,7 +668,9 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     the bias stay float32 at the graph's edge whatever the compute dtype, so the
     runtime's contract does not change.
     `draft_head_rows` (BitNest with VocabTrim) gives the nested draft a head of those
-    rows only. `kv_scales` (one (K, V) pair per layer) store the KV cache as int8 codes.
+    rows only. `kv_scales` (one (K, V) pair per layer) store the KV cache as int8 codes;
+    `kv_half` as float16 (on edgespec's attention op: the cpu profile with the library;
+    None: wherever that op runs).
     `hidden_output` adds the final-norm states as output `hidden` [1,S,d] (what an EAGLE
     draft head reads); `fusion` ([d, 2d]) makes the graph such a head: input `hidden_in`
     [1,S,d] is joined to the token embeddings and projected back to d before the layers
@@ -698,6 +705,13 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     if own_attention is None:
         own_attention = g.two_rows and kernels.for_export()
     g.own_attention = own_attention and kv_dim_head % 8 == 0
+    if kv_half is None:
+        kv_half = g.own_attention
+    if kv_half and not g.own_attention:
+        raise EdgespecError("a float16 KV cache needs edgespec's attention op (the cpu "
+                            "profile, the kernel library built, a head size that is a "
+                            "multiple of 8); export with --kv-cache float.")
+    g.kv_half = kv_half
     if g.own_kernel:  # its linears, and all others left (see invariant), are exact at one
         # row: only GroupQueryAttention needs two, edgespec's own attention none
         g.two_rows, g.pad_attention = False, not g.own_attention
@@ -728,7 +742,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     if fusion is not None:
         inputs.append(helper.make_tensor_value_info("hidden_in", TensorProto.FLOAT,
                                                     [1, s_dim, spec.hidden_size]))
-    kv_type = TensorProto.INT8 if kv_scales is not None else g.onnx_dtype
+    kv_type = (TensorProto.INT8 if kv_scales is not None
+               else TensorProto.FLOAT16 if kv_half else g.onnx_dtype)
     for i in range(spec.num_layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_{kind}_{i}", kv_type,

@@ -24,14 +24,24 @@ static float score(const AttendShape *a, float dot, float bias) {
     return (a->softcap > 0.0f ? a->softcap * tanhf(x / a->softcap) : x) + bias;
 }
 
-/* Element i of a cache row: float, or an int8 code (its scale applied elsewhere). */
-static inline float cached(const void *row, int64_t i, int int8) {
-    return int8 ? (float)((const int8_t *)row)[i] : ((const float *)row)[i];
+/* What a cache holds: floats, int8 codes (their scales applied elsewhere) or IEEE halves. */
+enum { FLOATS, CODES, HALVES };
+
+static inline int kind_of(const AttendShape *a) {
+    return a->kscale != NULL ? CODES : a->halves ? HALVES : FLOATS;
 }
 
-static inline const void *slot(const void *cache, int64_t j, int64_t D, int int8) {
-    return int8 ? (const void *)((const int8_t *)cache + j * D)
-                : (const void *)((const float *)cache + j * D);
+static inline int64_t bytes_of(int kind) { return kind == CODES ? 1 : kind == HALVES ? 2 : 4; }
+
+/* Element i of a cache row, as a float (exactly: codes and halves are all floats). */
+static inline float cached(const void *row, int64_t i, int kind) {
+    return kind == CODES    ? (float)((const int8_t *)row)[i]
+           : kind == HALVES ? from_half(((const uint16_t *)row)[i])
+                            : ((const float *)row)[i];
+}
+
+static inline const void *slot(const void *cache, int64_t j, int64_t D, int kind) {
+    return (const char *)cache + j * D * bytes_of(kind);
 }
 
 /* The queries a block holds for KV head g: rows r0..r1-1, the group's heads. */
@@ -44,18 +54,18 @@ static inline float *w_row(const AttendBlock *b, int64_t s, int64_t h) {
     return b->w + ((s - b->r0) * b->a->H + h) * (b->U + 8);
 }
 
-static void scores_portable(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1, int int8) {
+static void scores_portable(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1, int kind) {
     const AttendShape *a = b->a;
     const int64_t D = a->D;
-    const void *K = slot(b->kcache, g * a->max, D, int8);
+    const void *K = slot(b->kcache, g * a->max, D, kind);
     for (int64_t u = u0; u < u1; ++u) {
-        const void *k = slot(K, b->keys[u], D, int8);
+        const void *k = slot(K, b->keys[u], D, kind);
         FOR_GROUP_QUERIES(b, g, s, h) {
             const float *q = b->qrot + (s * a->H + h) * D;
             float lanes[8] = {0};
             for (int64_t d = 0; d < D; d += 8)
                 for (int l = 0; l < 8; ++l)
-                    lanes[l] = fmaf(q[d + l], cached(k, d + l, int8), lanes[l]);
+                    lanes[l] = fmaf(q[d + l], cached(k, d + l, kind), lanes[l]);
             w_row(b, s, h)[u] = fold8(lanes);
         }
     }
@@ -75,10 +85,10 @@ static float exps_portable(float *e, int64_t n, float top) {
  * key, in slices of KEY_SLICE keys (their values stay in L1 while every query of the
  * group takes them; the partial sums wait in `out`, which changes no bit). */
 #define KEY_SLICE 64
-static void values_portable(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1, int int8) {
+static void values_portable(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1, int kind) {
     const AttendShape *a = b->a;
     const int64_t D = a->D;
-    const void *V = slot(b->vcache, g * a->max, D, int8);
+    const void *V = slot(b->vcache, g * a->max, D, kind);
     for (int64_t u0 = 0; u0 < b->U; u0 += KEY_SLICE) {
         const int64_t u1 = u0 + KEY_SLICE < b->U ? u0 + KEY_SLICE : b->U;
         FOR_GROUP_QUERIES(b, g, s, h) {
@@ -87,8 +97,8 @@ static void values_portable(const AttendBlock *b, int64_t g, int64_t d0, int64_t
             if (u0 == 0)
                 for (int64_t d = d0; d < d1; ++d) o[d] = 0.0f;
             for (int64_t u = u0; u < u1; ++u) {
-                const void *v = slot(V, b->keys[u], D, int8);
-                for (int64_t d = d0; d < d1; ++d) o[d] = fmaf(w[u], cached(v, d, int8), o[d]);
+                const void *v = slot(V, b->keys[u], D, kind);
+                for (int64_t d = d0; d < d1; ++d) o[d] = fmaf(w[u], cached(v, d, kind), o[d]);
             }
         }
     }
@@ -113,11 +123,13 @@ AVX2 INLINE void prefetch(const void *row, int64_t from, int64_t bytes) {
         _mm_prefetch((const char *)row + c, _MM_HINT_T0);
 }
 
-/* 8 cache elements from `at` as floats (int8 codes converted). */
-AVX2 INLINE __m256 load_256(const void *row, int64_t at, int int8) {
-    if (int8)
+/* 8 cache elements from `at` as floats (codes and halves converted, exactly). */
+AVX2 INLINE __m256 load_256(const void *row, int64_t at, int kind) {
+    if (kind == CODES)
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
             _mm_loadl_epi64((const __m128i *)((const int8_t *)row + at))));
+    if (kind == HALVES)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + at)));
     return _mm256_loadu_ps((const float *)row + at);
 }
 
@@ -130,7 +142,7 @@ AVX2 INLINE __m128 fold4_256(const __m256 *a) {
 /* Dot products of Q queries (from m0, numbered as in values_tile) with four keys: each
  * key chunk is loaded once for the Q queries, whose 4 * Q sums advance side by side. */
 AVX2 INLINE void scores_tile(const AttendBlock *b, int64_t g, const void *const *k, int64_t u,
-                             int64_t m0, int Q, int int8) {
+                             int64_t m0, int Q, int kind) {
     const AttendShape *a = b->a;
     const int64_t D = a->D, group = a->H / a->Hk;
     const float *q[3];
@@ -147,7 +159,7 @@ AVX2 INLINE void scores_tile(const AttendBlock *b, int64_t g, const void *const 
         __m256 x[3];
         for (int m = 0; m < Q; ++m) x[m] = _mm256_loadu_ps(q[m] + d);
         for (int j = 0; j < 4; ++j) {
-            const __m256 key = load_256(k[j], d, int8);
+            const __m256 key = load_256(k[j], d, kind);
             for (int m = 0; m < Q; ++m) acc[m][j] = _mm256_fmadd_ps(x[m], key, acc[m][j]);
         }
     }
@@ -157,20 +169,20 @@ AVX2 INLINE void scores_tile(const AttendBlock *b, int64_t g, const void *const 
 /* Four keys at a time (the last ones repeated, their extra lanes landing in the rows'
  * padding), each read once for every query of the group. */
 AVX2 INLINE void scores_avx2(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1,
-                             int int8) {
+                             int kind) {
     const AttendShape *a = b->a;
     const int64_t D = a->D, M = (b->r1 - b->r0) * (a->H / a->Hk);
-    const void *K = slot(b->kcache, g * a->max, D, int8);
+    const void *K = slot(b->kcache, g * a->max, D, kind);
     for (int64_t u = u0; u < u1; u += 4) {
         const void *k[4];
         for (int j = 0; j < 4; ++j)
-            k[j] = slot(K, b->keys[u + j < b->U ? u + j : b->U - 1], D, int8);
+            k[j] = slot(K, b->keys[u + j < b->U ? u + j : b->U - 1], D, kind);
         for (int j = AHEAD; j < AHEAD + 4 && u + j < b->U; ++j)
-            prefetch(slot(K, b->keys[u + j], D, int8), 0, D * (int8 ? 1 : 4));
+            prefetch(slot(K, b->keys[u + j], D, kind), 0, D * bytes_of(kind));
         int64_t m = 0;
-        for (; m + 3 <= M; m += 3) scores_tile(b, g, k, u, m, 3, int8);
-        if (M - m == 2) scores_tile(b, g, k, u, m, 2, int8);
-        if (M - m == 1) scores_tile(b, g, k, u, m, 1, int8);
+        for (; m + 3 <= M; m += 3) scores_tile(b, g, k, u, m, 3, kind);
+        if (M - m == 2) scores_tile(b, g, k, u, m, 2, kind);
+        if (M - m == 1) scores_tile(b, g, k, u, m, 1, kind);
     }
 }
 
@@ -192,10 +204,10 @@ AVX2 static float exps_avx2(float *e, int64_t n, float top) {
  * (numbered row after row, head after head) and the keys [u0, u1): each value vector is
  * loaded once for all Q, whose R * Q sums (at most 8 registers) advance side by side. */
 AVX2 INLINE void values_tile(const AttendBlock *b, int64_t g, int64_t d0, int R, int64_t m0,
-                             int Q, int64_t u0, int64_t u1, int int8) {
+                             int Q, int64_t u0, int64_t u1, int kind) {
     const AttendShape *a = b->a;
     const int64_t D = a->D, group = a->H / a->Hk;
-    const void *V = slot(b->vcache, g * a->max, D, int8);
+    const void *V = slot(b->vcache, g * a->max, D, kind);
     const float *w[4];
     float *o[4];
     __m256 acc[4][8];
@@ -207,12 +219,12 @@ AVX2 INLINE void values_tile(const AttendBlock *b, int64_t g, int64_t d0, int R,
             acc[m][r] = u0 ? _mm256_loadu_ps(o[m] + 8 * r) : _mm256_setzero_ps();
     }
     for (int64_t u = u0; u < u1; ++u) {
-        const void *v = slot(V, b->keys[u], D, int8);
+        const void *v = slot(V, b->keys[u], D, kind);
         if (m0 == 0 && u + AHEAD < b->U) /* the first tile brings the slice in */
-            prefetch(slot(V, b->keys[u + AHEAD], D, int8), d0 * (int8 ? 1 : 4),
-                     R * 8 * (int8 ? 1 : 4));
+            prefetch(slot(V, b->keys[u + AHEAD], D, kind), d0 * bytes_of(kind),
+                     R * 8 * bytes_of(kind));
         __m256 x[8];
-        for (int r = 0; r < R; ++r) x[r] = load_256(v, d0 + 8 * r, int8);
+        for (int r = 0; r < R; ++r) x[r] = load_256(v, d0 + 8 * r, kind);
         for (int m = 0; m < Q; ++m) {
             const __m256 p = _mm256_set1_ps(w[m][u]);
             for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(p, x[r], acc[m][r]);
@@ -225,9 +237,9 @@ AVX2 INLINE void values_tile(const AttendBlock *b, int64_t g, int64_t d0, int R,
 /* values_tile for the R and Q given, each pair its own instance (constant bounds, no
  * spills). */
 AVX2 INLINE void values_rq(const AttendBlock *b, int64_t g, int64_t d, int R, int64_t m, int Q,
-                           int64_t u0, int64_t u1, int int8) {
+                           int64_t u0, int64_t u1, int kind) {
 #define VALUES_CASE(r, q) \
-    case r * 8 + q: values_tile(b, g, d, r, m, q, u0, u1, int8); break;
+    case r * 8 + q: values_tile(b, g, d, r, m, q, u0, u1, kind); break;
     switch (R * 8 + Q) {
         VALUES_CASE(8, 1)
         VALUES_CASE(4, 2) VALUES_CASE(4, 1)
@@ -241,7 +253,7 @@ AVX2 INLINE void values_rq(const AttendBlock *b, int64_t g, int64_t d, int R, in
  * 8 / R queries, over slices of KEY_SLICE keys (which stay in L1 while every tile takes
  * them). */
 AVX2 INLINE void values_avx2(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1,
-                             int int8) {
+                             int kind) {
     const int64_t M = (b->r1 - b->r0) * (b->a->H / b->a->Hk);
     for (int64_t d = d0, R; d < d1; d += 8 * R) {
         R = d1 - d >= 64 ? 8 : d1 - d >= 32 ? 4 : d1 - d >= 16 ? 2 : 1;
@@ -249,24 +261,25 @@ AVX2 INLINE void values_avx2(const AttendBlock *b, int64_t g, int64_t d0, int64_
         for (int64_t u0 = 0; u0 < b->U; u0 += KEY_SLICE) {
             const int64_t u1 = u0 + KEY_SLICE < b->U ? u0 + KEY_SLICE : b->U;
             for (int64_t m = 0; m < M; m += most)
-                values_rq(b, g, d, (int)R, m, (int)(M - m < most ? M - m : most), u0, u1, int8);
+                values_rq(b, g, d, (int)R, m, (int)(M - m < most ? M - m : most), u0, u1, kind);
         }
     }
 }
 
-/* One instance per cache type, so that neither tests its type in the inner loops. */
-AVX2 static void scores_avx2_float(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1) {
-    scores_avx2(b, g, u0, u1, 0);
-}
-AVX2 static void scores_avx2_int8(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1) {
-    scores_avx2(b, g, u0, u1, 1);
-}
-AVX2 static void values_avx2_float(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
-    values_avx2(b, g, d0, d1, 0);
-}
-AVX2 static void values_avx2_int8(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
-    values_avx2(b, g, d0, d1, 1);
-}
+/* One instance per cache type, so that none tests its type in the inner loops. */
+#define AVX2_INSTANCES(name, KIND)                                                          \
+    AVX2 static void scores_avx2_##name(const AttendBlock *b, int64_t g, int64_t u0,         \
+                                        int64_t u1) {                                       \
+        scores_avx2(b, g, u0, u1, KIND);                                                    \
+    }                                                                                       \
+    AVX2 static void values_avx2_##name(const AttendBlock *b, int64_t g, int64_t d0,         \
+                                        int64_t d1) {                                       \
+        values_avx2(b, g, d0, d1, KIND);                                                    \
+    }
+AVX2_INSTANCES(floats, FLOATS)
+AVX2_INSTANCES(codes, CODES)
+AVX2_INSTANCES(halves, HALVES)
+#undef AVX2_INSTANCES
 #endif
 
 int64_t attend_keys(const AttendShape *a, const float *bias, int64_t r0, int64_t r1,
@@ -282,14 +295,15 @@ int64_t attend_keys(const AttendShape *a, const float *bias, int64_t r0, int64_t
 }
 
 void attend_scores(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1) {
-    const int int8 = b->a->kscale != NULL;
+    const int kind = kind_of(b->a);
 #ifdef EDGESPEC_X86
     if (blockq_path() >= 1) {
-        (int8 ? scores_avx2_int8 : scores_avx2_float)(b, g, u0, u1);
+        (kind == CODES ? scores_avx2_codes : kind == HALVES ? scores_avx2_halves
+                                                            : scores_avx2_floats)(b, g, u0, u1);
         return;
     }
 #endif
-    scores_portable(b, g, u0, u1, int8);
+    scores_portable(b, g, u0, u1, kind);
 }
 
 /* How many keys row s sees when they are a run of the block's keys, consecutive slots all
@@ -386,13 +400,14 @@ void attend_weights(const AttendBlock *b, int64_t t0, int64_t t1, float *e, int3
 
 void attend_values(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
     const AttendShape *a = b->a;
-    const int int8 = a->kscale != NULL;
+    const int kind = kind_of(a), int8 = kind == CODES;
 #ifdef EDGESPEC_X86
     if (blockq_path() >= 1)
-        (int8 ? values_avx2_int8 : values_avx2_float)(b, g, d0, d1);
+        (kind == CODES ? values_avx2_codes : kind == HALVES ? values_avx2_halves
+                                                            : values_avx2_floats)(b, g, d0, d1);
     else
 #endif
-        values_portable(b, g, d0, d1, int8);
+        values_portable(b, g, d0, d1, kind);
     FOR_GROUP_QUERIES(b, g, s, h) {
         float *o = b->out + (s * a->H + h) * a->D;
         const float sum = b->sums[(s - b->r0) * a->H + h];
@@ -416,13 +431,13 @@ void attend_prepare(const AttendShape *a, const float *q, int64_t q_stride, cons
                     const float *cos, const float *sin, float *qrot, void *kcache,
                     void *vcache, float *scratch) {
     const int64_t D = a->D;
-    const int int8 = a->kscale != NULL;
+    const int kind = kind_of(a);
     for (int64_t s = 0; s < a->S; ++s) {
         const float *c = cos + pos[s] * a->half, *sn = sin + pos[s] * a->half;
         for (int64_t h = 0; h < a->H; ++h) {
             float *qr = qrot + (s * a->H + h) * D;
             rotate(q + s * q_stride + h * D, qr, D, a->half, c, sn);
-            if (int8) { /* the dot products are taken with the key codes */
+            if (kind == CODES) { /* the dot products are taken with the key codes */
                 const float *ks = a->kscale + h / (a->H / a->Hk) * D;
                 for (int64_t d = 0; d < D; ++d) qr[d] *= ks[d];
             }
@@ -430,13 +445,18 @@ void attend_prepare(const AttendShape *a, const float *q, int64_t q_stride, cons
         for (int64_t g = 0; g < a->Hk; ++g) {
             const int64_t at = (g * a->max + a->past + s) * D;
             const float *vs = v + s * v_stride + g * D;
-            if (!int8) {
+            if (kind == FLOATS) {
                 rotate(k + s * k_stride + g * D, (float *)kcache + at, D, a->half, c, sn);
                 memcpy((float *)vcache + at, vs, (size_t)D * sizeof(float));
                 continue;
             }
             rotate(k + s * k_stride + g * D, scratch, D, a->half, c, sn);
             for (int64_t d = 0; d < D; ++d) {
+                if (kind == HALVES) {
+                    ((uint16_t *)kcache)[at + d] = to_half(scratch[d]);
+                    ((uint16_t *)vcache)[at + d] = to_half(vs[d]);
+                    continue;
+                }
                 ((int8_t *)kcache)[at + d] = int8_code(scratch[d] / a->kscale[g * D + d]);
                 ((int8_t *)vcache)[at + d] = int8_code(vs[d] / a->vscale[g * D + d]);
             }

@@ -26,13 +26,15 @@ typedef struct {
     int64_t past, max;         /* cached slots before this pass; the caches' length */
     float scale, softcap;      /* scores = softcap * tanh(q.k * scale / softcap) if softcap */
     const float *kscale, *vscale; /* [Hk, D]: the caches hold int8 codes (NULL: floats) */
+    int halves;                   /* with no scales: the caches hold IEEE halves */
 } AttendShape;
 
 /* Rotates the pass's queries into qrot [S, H, D] and its keys into the key cache at slots
  * past..past+S-1 (the half-split layout, rotated at position pos[s]); copies its values into
  * the value cache. With int8 caches both are stored as codes round(x / scale) (half to even,
  * within +-127) per KV head and channel, and the queries are multiplied by the key scales;
- * scratch holds D floats. */
+ * with half caches as IEEE halves (to_half: nearest even, saturated). Scratch holds D
+ * floats. */
 void attend_prepare(const AttendShape *shape, const float *q, int64_t q_stride, const float *k,
                     int64_t k_stride, const float *v, int64_t v_stride, const int64_t *pos,
                     const float *cos, const float *sin, float *qrot, void *kcache,

@@ -63,24 +63,6 @@ static inline int code_at(const uint8_t *block, int64_t bits, int g, int c, int 
     return g % 2 ? (byte >> 4) : (byte & 0x0F);
 }
 
-/* IEEE half -> float, exactly (every half is a float). */
-static float from_half(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    float v;
-    if (exp == 0) {
-        v = ldexpf((float)man, -24); /* zero and subnormals */
-    } else if (exp == 31) {
-        v = man ? NAN : INFINITY;
-    } else {
-        v = ldexpf((float)(man | 0x400), (int)exp - 25);
-    }
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    bits |= sign;
-    memcpy(&v, &bits, 4);
-    return v;
-}
-
 static float table_at(const void *table, int half, int64_t i) {
     return half ? from_half(((const uint16_t *)table)[i]) : ((const float *)table)[i];
 }

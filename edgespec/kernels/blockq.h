@@ -20,9 +20,10 @@
 
 #include <stdint.h>
 
-/* The version of the weight layout below; edgespec/kernels/__init__.py's LAYOUT must match,
- * so a library built from other sources is never used on this package's bundles. */
-#define BLOCKQ_LAYOUT 4
+/* The version of the weight layout below and of the library's ops (5: AttentionHalf);
+ * edgespec/kernels/__init__.py's LAYOUT must match, so a library built from other sources
+ * is never used on this package's bundles. */
+#define BLOCKQ_LAYOUT 5
 int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes

@@ -359,16 +359,18 @@ static const OrtCustomOp g_op_half = BLOCKQ_OP;
 #define ATTEND_MIN_TASK_MACS ((int64_t)1 << 16)
 #define ATTEND_NAME "Attention"
 #define ATTEND_NAME_INT8 "AttentionInt8"
+#define ATTEND_NAME_HALF "AttentionHalf"
 #define attend_error(api, code, ...) error_in(ATTEND_NAME, api, code, __VA_ARGS__)
 
 typedef struct {
   const OrtApi *api;
   int64_t H, Hk, cpus;
   float scale, softcap;
-  int int8; /* int8 caches with per-channel scales (ATTEND_NAME_INT8) */
+  int int8;   /* int8 caches with per-channel scales (ATTEND_NAME_INT8) */
+  int halves; /* IEEE half caches (ATTEND_NAME_HALF) */
 } AttendKernel;
 
-static const OrtCustomOp g_attend_int8;
+static const OrtCustomOp g_attend_int8, g_attend_half;
 
 static OrtStatus *ORT_API_CALL attend_create(const OrtCustomOp *op, const OrtApi *api,
                                              const OrtKernelInfo *info, void **kernel) {
@@ -392,7 +394,8 @@ static OrtStatus *ORT_API_CALL attend_create(const OrtCustomOp *op, const OrtApi
                         (long long)H, (long long)Hk);
   AttendKernel *k = (AttendKernel *)malloc(sizeof *k);
   if (k == NULL) return attend_error(api, ORT_FAIL, "out of memory");
-  *k = (AttendKernel){api, H, Hk, online_cpus(), scale, softcap, op == &g_attend_int8};
+  *k = (AttendKernel){api, H, Hk, online_cpus(), scale, softcap, op == &g_attend_int8,
+                      op == &g_attend_half};
   *kernel = k;
   return NULL;
 }
@@ -562,7 +565,8 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
     goto done;
   /* The runtime binds one buffer as past and present (written in place); otherwise the
      present starts as a copy of the past. */
-  const size_t cache_bytes = (size_t)(Hk * a.max * D) * (k->int8 ? 1 : sizeof(float));
+  a.halves = k->halves;
+  const size_t cache_bytes = (size_t)(Hk * a.max * D) * (k->int8 ? 1 : k->halves ? 2 : 4);
   if (ppresk != ppk) memcpy(ppresk, ppk, cache_bytes);
   if (ppresv != ppv) memcpy(ppresv, ppv, cache_bytes);
   if (S == 0) goto done;
@@ -620,7 +624,14 @@ done:
 }
 
 static const char *ORT_API_CALL attend_name(const OrtCustomOp *op) {
-  return op == &g_attend_int8 ? ATTEND_NAME_INT8 : ATTEND_NAME;
+  return op == &g_attend_int8 ? ATTEND_NAME_INT8 : op == &g_attend_half ? ATTEND_NAME_HALF
+                                                                       : ATTEND_NAME;
+}
+/* The element type of the caches (past and present). */
+static ONNXTensorElementDataType attend_cache_type(const OrtCustomOp *op) {
+  return op == &g_attend_int8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8
+         : op == &g_attend_half ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16
+                                : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static size_t ORT_API_CALL attend_input_count(const OrtCustomOp *op) {
   return op == &g_attend_int8 ? A_INPUTS_INT8 : A_INPUTS;
@@ -628,14 +639,12 @@ static size_t ORT_API_CALL attend_input_count(const OrtCustomOp *op) {
 static ONNXTensorElementDataType ORT_API_CALL attend_input_type(const OrtCustomOp *op,
                                                                 size_t i) {
   if (i == A_POS) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-  if ((i == A_PAST_K || i == A_PAST_V) && op == &g_attend_int8)
-    return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
-  return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  return i == A_PAST_K || i == A_PAST_V ? attend_cache_type(op)
+                                         : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static ONNXTensorElementDataType ORT_API_CALL attend_output_type(const OrtCustomOp *op,
                                                                  size_t i) {
-  return i > 0 && op == &g_attend_int8 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8
-                                       : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  return i > 0 ? attend_cache_type(op) : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static size_t ORT_API_CALL attend_output_count(const OrtCustomOp *op) {
   (void)op;
@@ -653,7 +662,9 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL attend_input_required(
  * key and value are omitted), the caches [1,Hk,max,D] written in place at slots past..past+S-1
  * (past = T - S), attention_bias [1,1,S,T]. Attributes num_heads, kv_num_heads (int64), scale
  * and the optional softcap (float). AttentionInt8: the caches are int8 codes, with two more
- * inputs k_scale and v_scale [kv_num_heads, 1, D] (float). */
+ * inputs k_scale and v_scale [kv_num_heads, 1, D] (float). AttentionHalf: the caches are
+ * float16 (half the bytes to read a step: at long context the caches outweigh the
+ * weights). */
 #define ATTEND_OP                                                                           \
   {                                                                                         \
     .version = EDGESPEC_ORT_API_VERSION, .GetName = attend_name,                            \
@@ -668,6 +679,7 @@ static OrtCustomOpInputOutputCharacteristic ORT_API_CALL attend_input_required(
   }
 static const OrtCustomOp g_attend = ATTEND_OP;
 static const OrtCustomOp g_attend_int8 = ATTEND_OP;
+static const OrtCustomOp g_attend_half = ATTEND_OP;
 
 /* ---- entry point ---- */
 
@@ -694,5 +706,6 @@ EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *opt
   if ((st = api->CustomOpDomain_Add(domain, &g_op_half)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend_int8)) != NULL) return st;
+  if ((st = api->CustomOpDomain_Add(domain, &g_attend_half)) != NULL) return st;
   return api->AddCustomOpDomain(options, domain);
 }

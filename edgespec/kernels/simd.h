@@ -19,6 +19,43 @@
 
 #define ROUNDER 12582912.0f /* 1.5 * 2^23 */
 
+/* IEEE half -> float, exactly (every half is a float), as F16C's conversion. */
+static inline float from_half(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float v;
+    if (exp == 0) {
+        v = ldexpf((float)man, -24); /* zero and subnormals */
+    } else if (exp == 31) {
+        v = man ? NAN : INFINITY;
+    } else {
+        v = ldexpf((float)(man | 0x400), (int)exp - 25);
+    }
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits |= sign;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* float -> IEEE half, rounded to nearest even, saturated at +-65504 (a KV cache holds no
+ * infinity: one would turn a whole softmax into NaN). */
+static inline uint16_t to_half(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, 4);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000);
+    const float a = fabsf(x);
+    if (a != a) return (uint16_t)(sign | 0x7E00);
+    if (a >= 65520.0f) return (uint16_t)(sign | 0x7BFF); /* what would round to inf */
+    if (a < 6.103515625e-05f) /* subnormal halves: multiples of 2^-24, rounded by the FPU */
+        return (uint16_t)(sign | (uint16_t)nearbyintf(a * 16777216.0f));
+    memcpy(&bits, &a, 4);
+    const uint32_t exp = (bits >> 23) - 112, man = bits & 0x7FFFFF; /* rebias 127 -> 15 */
+    uint32_t h = (exp << 10) | (man >> 13);
+    const uint32_t rest = man & 0x1FFF; /* the 13 bits dropped: round half to even */
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h; /* a carry steps the exponent */
+    return (uint16_t)(sign | h);
+}
+
 /* r clamped to [-127, 127] and rounded half to even by the 1.5 * 2^23 trick (exact for
  * |r| <= 2^22): what the SIMD paths' rounding instructions do, with no libm call. */
 static inline int8_t int8_code(float r) {
