@@ -118,7 +118,7 @@ AVX2 INLINE float fold_256(__m256 v) {
  * the CPU's): rows AHEAD keys on are asked for early, which shortened a pass of 2-17
  * tokens over 3,000 keys by a fifth. */
 #define AHEAD 16
-AVX2 INLINE void prefetch(const void *row, int64_t from, int64_t bytes) {
+INLINE void prefetch(const void *row, int64_t from, int64_t bytes) {
     for (int64_t c = from; c < from + bytes; c += 64)
         _mm_prefetch((const char *)row + c, _MM_HINT_T0);
 }
@@ -266,6 +266,170 @@ AVX2 INLINE void values_avx2(const AttendBlock *b, int64_t g, int64_t d0, int64_
     }
 }
 
+/* 8 elements from `at` of rows a and b, as floats in the halves of one vector. */
+VNNI INLINE __m512 load_pair_512(const void *a, const void *b, int64_t at, int kind) {
+    if (kind == CODES)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)((const int8_t *)a + at)),
+                               _mm_loadl_epi64((const __m128i *)((const int8_t *)b + at)))));
+    if (kind == HALVES)
+        return _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)((const uint16_t *)a + at))),
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)b + at)), 1));
+    return _mm512_castpd_ps(_mm512_insertf64x4(
+        _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps((const float *)a + at))),
+        _mm256_castps_pd(_mm256_loadu_ps((const float *)b + at)), 1));
+}
+
+/* _mm256_hadd_ps in each 256-bit half: [a0+a1, a2+a3, b0+b1, b2+b3] per 128-bit lane. */
+VNNI INLINE __m512 hadd_512(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* scores_tile with AVX-512: Q queries and eight keys, two keys to a vector (8 dimensions
+ * each, the AVX2 path's lanes), folded as fold4_256 folds: the same dot products, bit for
+ * bit, at half the instructions. */
+VNNI INLINE void scores_tile_512(const AttendBlock *b, int64_t g, const void *const *k,
+                                 int64_t u, int64_t m0, int Q, int kind) {
+    const AttendShape *a = b->a;
+    const int64_t D = a->D, group = a->H / a->Hk;
+    const float *q[5];
+    float *w[5];
+    for (int m = 0; m < Q; ++m) {
+        const int64_t s = b->r0 + (m0 + m) / group, h = g * group + (m0 + m) % group;
+        q[m] = b->qrot + (s * a->H + h) * D;
+        w[m] = w_row(b, s, h) + u;
+    }
+    __m512 acc[5][4];
+    for (int m = 0; m < Q; ++m)
+        for (int p = 0; p < 4; ++p) acc[m][p] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m512 x[5];
+        for (int m = 0; m < Q; ++m)
+            x[m] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(
+                _mm256_loadu_ps(q[m] + d))));
+        for (int p = 0; p < 4; ++p) {
+            const __m512 keys = load_pair_512(k[2 * p], k[2 * p + 1], d, kind);
+            for (int m = 0; m < Q; ++m) acc[m][p] = _mm512_fmadd_ps(x[m], keys, acc[m][p]);
+        }
+    }
+    for (int m = 0; m < Q; ++m) { /* 128-bit lanes: keys 0 2 4 6 by halves, then 1 3 5 7 */
+        const __m512 u4 = hadd_512(hadd_512(acc[m][0], acc[m][1]),
+                                   hadd_512(acc[m][2], acc[m][3]));
+        const __m128 even = _mm_add_ps(_mm512_extractf32x4_ps(u4, 0),
+                                       _mm512_extractf32x4_ps(u4, 1));
+        const __m128 odd = _mm_add_ps(_mm512_extractf32x4_ps(u4, 2),
+                                      _mm512_extractf32x4_ps(u4, 3));
+        _mm_storeu_ps(w[m], _mm_unpacklo_ps(even, odd));
+        _mm_storeu_ps(w[m] + 4, _mm_unpackhi_ps(even, odd));
+    }
+}
+
+/* scores_avx2 eight keys at a time, five queries a tile. */
+VNNI INLINE void scores_avx512(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1,
+                               int kind) {
+    const AttendShape *a = b->a;
+    const int64_t D = a->D, M = (b->r1 - b->r0) * (a->H / a->Hk);
+    const void *K = slot(b->kcache, g * a->max, D, kind);
+    for (int64_t u = u0; u < u1; u += 8) {
+        const void *k[8];
+        for (int j = 0; j < 8; ++j)
+            k[j] = slot(K, b->keys[u + j < b->U ? u + j : b->U - 1], D, kind);
+        for (int j = AHEAD; j < AHEAD + 8 && u + j < b->U; ++j)
+            prefetch(slot(K, b->keys[u + j], D, kind), 0, D * bytes_of(kind));
+        for (int64_t m = 0; m < M; m += 5) {
+            switch (M - m < 5 ? M - m : 5) {
+            case 5: scores_tile_512(b, g, k, u, m, 5, kind); break;
+            case 4: scores_tile_512(b, g, k, u, m, 4, kind); break;
+            case 3: scores_tile_512(b, g, k, u, m, 3, kind); break;
+            case 2: scores_tile_512(b, g, k, u, m, 2, kind); break;
+            default: scores_tile_512(b, g, k, u, m, 1, kind);
+            }
+        }
+    }
+}
+
+/* 16 cache elements from `at` as floats (codes and halves converted, exactly); `keep`
+ * masks the lanes read (a slice's last 8 dimensions read 8). */
+VNNI INLINE __m512 load_512(const void *row, int64_t at, int kind, __mmask16 keep) {
+    if (kind == CODES)
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(keep, (const int8_t *)row + at)));
+    if (kind == HALVES)
+        return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(keep, (const uint16_t *)row + at));
+    return _mm512_maskz_loadu_ps(keep, (const float *)row + at);
+}
+
+/* values_tile with AVX-512: R registers of 16 dimensions from d0 (the last one's lanes
+ * `tail`) for Q queries. A dimension's sum is the same chain of fmas whatever the vector
+ * width, so the results are values_tile's, bit for bit; 32 registers let up to 6 queries
+ * share each value row read (and each code or half converted) once. */
+VNNI INLINE void values_tile_512(const AttendBlock *b, int64_t g, int64_t d0, int R,
+                                 __mmask16 tail, int64_t m0, int Q, int64_t u0, int64_t u1,
+                                 int kind) {
+    const AttendShape *a = b->a;
+    const int64_t D = a->D, group = a->H / a->Hk;
+    const void *V = slot(b->vcache, g * a->max, D, kind);
+    const float *w[6];
+    float *o[6];
+    __m512 acc[6][4];
+    for (int m = 0; m < Q; ++m) {
+        const int64_t s = b->r0 + (m0 + m) / group, h = g * group + (m0 + m) % group;
+        w[m] = w_row(b, s, h);
+        o[m] = b->out + (s * a->H + h) * D + d0;
+        for (int r = 0; r < R; ++r)
+            acc[m][r] = u0 ? _mm512_maskz_loadu_ps(r == R - 1 ? tail : 0xFFFF, o[m] + 16 * r)
+                           : _mm512_setzero_ps();
+    }
+    for (int64_t u = u0; u < u1; ++u) {
+        const void *v = slot(V, b->keys[u], D, kind);
+        if (m0 == 0 && u + AHEAD < b->U) /* the first tile brings the slice in */
+            prefetch(slot(V, b->keys[u + AHEAD], D, kind), d0 * bytes_of(kind),
+                         (16 * R) * bytes_of(kind));
+        __m512 x[4];
+        for (int r = 0; r < R; ++r)
+            x[r] = load_512(v, d0 + 16 * r, kind, r == R - 1 ? tail : 0xFFFF);
+        for (int m = 0; m < Q; ++m) {
+            const __m512 p = _mm512_set1_ps(w[m][u]);
+            for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(p, x[r], acc[m][r]);
+        }
+    }
+    for (int m = 0; m < Q; ++m)
+        for (int r = 0; r < R; ++r)
+            _mm512_mask_storeu_ps(o[m] + 16 * r, r == R - 1 ? tail : 0xFFFF, acc[m][r]);
+}
+
+/* values_tile_512 for the R and Q given, each pair its own instance. */
+VNNI INLINE void values_rq_512(const AttendBlock *b, int64_t g, int64_t d, int R,
+                               __mmask16 tail, int64_t m, int Q, int64_t u0, int64_t u1,
+                               int kind) {
+#define VALUES_CASE(r, q) \
+    case r * 8 + q: values_tile_512(b, g, d, r, tail, m, q, u0, u1, kind); break;
+#define VALUES_QS(r) VALUES_CASE(r, 1) VALUES_CASE(r, 2) VALUES_CASE(r, 3) \
+    VALUES_CASE(r, 4) VALUES_CASE(r, 5) VALUES_CASE(r, 6)
+    switch (R * 8 + Q) { VALUES_QS(1) VALUES_QS(2) VALUES_QS(3) VALUES_QS(4) }
+#undef VALUES_QS
+#undef VALUES_CASE
+}
+
+/* values_avx2's order of work with AVX-512 tiles: dimensions [d0, d1) (at most 64) for
+ * every query of the group, 6 queries a tile, over slices of KEY_SLICE keys. */
+VNNI INLINE void values_avx512(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1,
+                               int kind) {
+    const int64_t M = (b->r1 - b->r0) * (b->a->H / b->a->Hk);
+    for (int64_t d = d0; d < d1; d += 64) {
+        const int64_t n = d1 - d < 64 ? d1 - d : 64; /* a multiple of 8 */
+        const int R = (int)((n + 15) / 16);
+        const __mmask16 tail = n % 16 ? 0x00FF : 0xFFFF;
+        for (int64_t u0 = 0; u0 < b->U; u0 += KEY_SLICE) {
+            const int64_t u1 = u0 + KEY_SLICE < b->U ? u0 + KEY_SLICE : b->U;
+            for (int64_t m = 0; m < M; m += 6)
+                values_rq_512(b, g, d, R, tail, m, (int)(M - m < 6 ? M - m : 6), u0, u1, kind);
+        }
+    }
+}
+
 /* One instance per cache type, so that none tests its type in the inner loops. */
 #define AVX2_INSTANCES(name, KIND)                                                          \
     AVX2 static void scores_avx2_##name(const AttendBlock *b, int64_t g, int64_t u0,         \
@@ -280,6 +444,19 @@ AVX2_INSTANCES(floats, FLOATS)
 AVX2_INSTANCES(codes, CODES)
 AVX2_INSTANCES(halves, HALVES)
 #undef AVX2_INSTANCES
+#define AVX512_INSTANCE(name, KIND)                                                         \
+    VNNI static void scores_avx512_##name(const AttendBlock *b, int64_t g, int64_t u0,       \
+                                          int64_t u1) {                                     \
+        scores_avx512(b, g, u0, u1, KIND);                                                  \
+    }                                                                                       \
+    VNNI static void values_avx512_##name(const AttendBlock *b, int64_t g, int64_t d0,       \
+                                          int64_t d1) {                                     \
+        values_avx512(b, g, d0, d1, KIND);                                                  \
+    }
+AVX512_INSTANCE(floats, FLOATS)
+AVX512_INSTANCE(codes, CODES)
+AVX512_INSTANCE(halves, HALVES)
+#undef AVX512_INSTANCE
 #endif
 
 int64_t attend_keys(const AttendShape *a, const float *bias, int64_t r0, int64_t r1,
@@ -297,6 +474,11 @@ int64_t attend_keys(const AttendShape *a, const float *bias, int64_t r0, int64_t
 void attend_scores(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1) {
     const int kind = kind_of(b->a);
 #ifdef EDGESPEC_X86
+    if (blockq_path() >= 2) {
+        (kind == CODES ? scores_avx512_codes : kind == HALVES ? scores_avx512_halves
+                                                              : scores_avx512_floats)(b, g, u0, u1);
+        return;
+    }
     if (blockq_path() >= 1) {
         (kind == CODES ? scores_avx2_codes : kind == HALVES ? scores_avx2_halves
                                                             : scores_avx2_floats)(b, g, u0, u1);
@@ -402,7 +584,10 @@ void attend_values(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
     const AttendShape *a = b->a;
     const int kind = kind_of(a), int8 = kind == CODES;
 #ifdef EDGESPEC_X86
-    if (blockq_path() >= 1)
+    if (blockq_path() >= 2)
+        (kind == CODES ? values_avx512_codes : kind == HALVES ? values_avx512_halves
+                                                              : values_avx512_floats)(b, g, d0, d1);
+    else if (blockq_path() >= 1)
         (kind == CODES ? values_avx2_codes : kind == HALVES ? values_avx2_halves
                                                             : values_avx2_floats)(b, g, d0, d1);
     else
