@@ -138,9 +138,9 @@ def cli() -> None:
 @click.option("--kv-cache", type=click.Choice(["auto", "float", "float16", "int8"]),
               default="auto", show_default=True,
               help="float16: KV cache as IEEE halves (half the memory, faster at long "
-                   "context; auto picks it for quantized weights on the cpu profile with "
-                   "edgespec's kernels, float otherwise); int8: codes with calibrated "
-                   "per-channel scales (a quarter of fp32's memory).")
+                   "context; auto picks it where edgespec's kernels run the graph with int8 "
+                   "activations, float otherwise); int8: codes with calibrated per-channel "
+                   "scales (a quarter of fp32's memory).")
 @click.option("--requantize", is_flag=True,
               help="GGUF: dequantize every tensor and quantize it anew to --precision.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow downloading model code files.")

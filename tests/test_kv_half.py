@@ -91,13 +91,16 @@ def test_half_kv_needs_the_kernel_library(tmp_path, demo_target, monkeypatch):
     assert not (tmp_path / "b").exists()
 
 
-def test_auto_halves_the_caches_of_quantized_weights_only(tmp_path, demo_target,
+def test_auto_halves_the_caches_where_activations_are_int8(tmp_path, demo_target,
                                                           monkeypatch):
-    """The default: float16 where edgespec's attention op runs quantized weights; fp32
-    exports stay the float reference, and bundles for any ONNX Runtime keep float."""
-    for precision, want in (("int4", "float16"), ("fp32", "float32")):
-        export(demo_target, tmp_path / precision, precision=precision)
-        assert read_manifest(tmp_path / precision).target.kv_dtype == want
+    """The default: float16 where edgespec's kernels run the graph (int8 activations);
+    fp32 exports and fp32 activations (accuracy_level 0) stay float references, and
+    bundles for any ONNX Runtime keep float."""
+    for name, kwargs, want in (("int4", dict(precision="int4"), "float16"),
+                               ("fp32", dict(precision="fp32"), "float32"),
+                               ("acc0", dict(precision="int4", accuracy_level=0), "float32")):
+        export(demo_target, tmp_path / name, **kwargs)
+        assert read_manifest(tmp_path / name).target.kv_dtype == want
     monkeypatch.setenv("EDGESPEC_KERNELS", "onnxruntime")
     export(demo_target, tmp_path / "portable", precision="int4")
     assert read_manifest(tmp_path / "portable").target.kv_dtype == "float32"

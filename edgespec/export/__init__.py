@@ -322,10 +322,11 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     calibrated on the built-in prompts and the target's own continuations; "float16" as
     IEEE halves on the cpu profile (the cuda and dml profiles' float caches are float16
     already): half the memory, and half the bytes a step reads at long context, where the
-    caches outweigh the weights. "auto" (default): float16 for quantized weights where
-    edgespec's attention op runs them (measured on SmolLM2's Q4_1 file: the same KL against
-    its float weights as float caches, 0.0029), float otherwise (fp32 and fp16 exports
-    stay the float reference). A draft head's one-layer cache stays float.
+    caches outweigh the weights. "auto" (default): float16 where edgespec's kernels run the
+    graph, linears with int8 activations and attention (measured on SmolLM2's Q4_1 file:
+    the same KL against its float weights as float caches, 0.0029), float otherwise (fp32
+    and fp16 exports, accuracy_level 0 and BitNest stay float references). A draft head's
+    one-layer cache stays float.
     A GGUF file (target or draft) keeps every quantized tensor's own type, encoded so the
     effective weights are exactly llama.cpp's; its float tensors follow `precision`.
     `requantize=True` dequantizes them instead and quantizes everything to `precision`.
@@ -412,8 +413,8 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
     columns = [TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn()]
     if ep_profile != "cpu":  # its floats are halves already
         kv_half: bool | None = False
-    elif kv_cache == "auto":  # quantized weights: halves wherever edgespec's op runs
-        kv_half = None if precision not in ("fp32", "fp16") else False
+    elif kv_cache == "auto":  # halves where edgespec's kernels run it all (build_decoder)
+        kv_half = None
     else:
         kv_half = kv_cache == "float16"
     try:

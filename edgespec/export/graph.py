@@ -670,7 +670,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     `draft_head_rows` (BitNest with VocabTrim) gives the nested draft a head of those
     rows only. `kv_scales` (one (K, V) pair per layer) store the KV cache as int8 codes;
     `kv_half` as float16 (on edgespec's attention op: the cpu profile with the library;
-    None: wherever that op runs).
+    None: where that op runs a graph whose linears run on edgespec's kernel, whose int8
+    activations round far more than float16 caches do).
     `hidden_output` adds the final-norm states as output `hidden` [1,S,d] (what an EAGLE
     draft head reads); `fusion` ([d, 2d]) makes the graph such a head: input `hidden_in`
     [1,S,d] is joined to the token embeddings and projected back to d before the layers
@@ -706,7 +707,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
         own_attention = g.two_rows and kernels.for_export()
     g.own_attention = own_attention and kv_dim_head % 8 == 0
     if kv_half is None:
-        kv_half = g.own_attention
+        kv_half = g.own_attention and g.own_kernel and precision not in ("fp32", "fp16")
     if kv_half and not g.own_attention:
         raise EdgespecError("a float16 KV cache needs edgespec's attention op (the cpu "
                             "profile, the kernel library built, a head size that is a "
