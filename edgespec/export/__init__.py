@@ -100,8 +100,8 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
     """One model's graph and weights at `out/role.onnx`. `quant`: "k" (the GGUF recipe
     where it applies), "sym", "asym" or "rot" (rotated); k and rot take GPTQ's codes
     where `hessians` has the input's XᵀX (calibrate); `stats` adds calibrate's XᵀX
-    outputs to a float graph. `kv_half`: float16 caches (None: where edgespec's attention
-    op runs, build_decoder)."""
+    outputs to a float graph. `kv_half`: float16 caches (None: where edgespec's kernels
+    run the whole graph, build_decoder)."""
     task = progress.add_task(f"{role}: loading {source.label}", total=None)
     ckpt = source.load()
     adapter = adapter_for(ckpt)
