@@ -24,7 +24,8 @@ static float score(const AttendShape *a, float dot, float bias) {
     return (a->softcap > 0.0f ? a->softcap * tanhf(x / a->softcap) : x) + bias;
 }
 
-/* What a cache holds: floats, int8 codes (their scales applied elsewhere) or IEEE halves. */
+/* What a cache holds: floats, int8 codes (their scales applied elsewhere) or IEEE halves
+ * (in this order the instance tables SCORES and VALUES are indexed by). */
 enum { FLOATS, CODES, HALVES };
 
 static inline int kind_of(const AttendShape *a) {
@@ -386,7 +387,7 @@ VNNI INLINE void values_tile_512(const AttendBlock *b, int64_t g, int64_t d0, in
         const void *v = slot(V, b->keys[u], D, kind);
         if (m0 == 0 && u + AHEAD < b->U) /* the first tile brings the slice in */
             prefetch(slot(V, b->keys[u + AHEAD], D, kind), d0 * bytes_of(kind),
-                         (16 * R) * bytes_of(kind));
+                     16 * R * bytes_of(kind));
         __m512 x[4];
         for (int r = 0; r < R; ++r)
             x[r] = load_512(v, d0 + 16 * r, kind, r == R - 1 ? tail : 0xFFFF);
@@ -457,6 +458,15 @@ AVX512_INSTANCE(floats, FLOATS)
 AVX512_INSTANCE(codes, CODES)
 AVX512_INSTANCE(halves, HALVES)
 #undef AVX512_INSTANCE
+
+/* The instances by path (AVX2, AVX-512) and cache kind (FLOATS, CODES, HALVES). */
+typedef void (*AttendStep)(const AttendBlock *, int64_t, int64_t, int64_t); /* g and a range */
+static const AttendStep SCORES[2][3] = {
+    {scores_avx2_floats, scores_avx2_codes, scores_avx2_halves},
+    {scores_avx512_floats, scores_avx512_codes, scores_avx512_halves}};
+static const AttendStep VALUES[2][3] = {
+    {values_avx2_floats, values_avx2_codes, values_avx2_halves},
+    {values_avx512_floats, values_avx512_codes, values_avx512_halves}};
 #endif
 
 int64_t attend_keys(const AttendShape *a, const float *bias, int64_t r0, int64_t r1,
@@ -474,14 +484,8 @@ int64_t attend_keys(const AttendShape *a, const float *bias, int64_t r0, int64_t
 void attend_scores(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1) {
     const int kind = kind_of(b->a);
 #ifdef EDGESPEC_X86
-    if (blockq_path() >= 2) {
-        (kind == CODES ? scores_avx512_codes : kind == HALVES ? scores_avx512_halves
-                                                              : scores_avx512_floats)(b, g, u0, u1);
-        return;
-    }
     if (blockq_path() >= 1) {
-        (kind == CODES ? scores_avx2_codes : kind == HALVES ? scores_avx2_halves
-                                                            : scores_avx2_floats)(b, g, u0, u1);
+        SCORES[blockq_path() - 1][kind](b, g, u0, u1);
         return;
     }
 #endif
@@ -584,12 +588,8 @@ void attend_values(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
     const AttendShape *a = b->a;
     const int kind = kind_of(a), int8 = kind == CODES;
 #ifdef EDGESPEC_X86
-    if (blockq_path() >= 2)
-        (kind == CODES ? values_avx512_codes : kind == HALVES ? values_avx512_halves
-                                                              : values_avx512_floats)(b, g, d0, d1);
-    else if (blockq_path() >= 1)
-        (kind == CODES ? values_avx2_codes : kind == HALVES ? values_avx2_halves
-                                                            : values_avx2_floats)(b, g, d0, d1);
+    if (blockq_path() >= 1)
+        VALUES[blockq_path() - 1][kind](b, g, d0, d1);
     else
 #endif
         values_portable(b, g, d0, d1, kind);

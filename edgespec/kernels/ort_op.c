@@ -507,7 +507,8 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
       (k->int8 && (st = shape_of(api, in[A_V_SCALE], "v_scale", 3, &vs)) != NULL))
     goto done;
   const int64_t S = q[1], D = cache[3], T = bias[3];
-  a = (AttendShape){S, H, Hk, D, cs[1], T - S, cache[2], k->scale, k->softcap, NULL, NULL};
+  a = (AttendShape){S, H, Hk, D, cs[1], T - S, cache[2], k->scale, k->softcap, NULL, NULL,
+                    k->halves};
   const int64_t width = packed ? (H + 2 * Hk) * D : H * D;
 #define ATTEND_CHECK(cond, ...)                                 \
   if (!(cond)) {                                                \
@@ -565,7 +566,6 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
     goto done;
   /* The runtime binds one buffer as past and present (written in place); otherwise the
      present starts as a copy of the past. */
-  a.halves = k->halves;
   const size_t cache_bytes = (size_t)(Hk * a.max * D) * (k->int8 ? 1 : k->halves ? 2 : 4);
   if (ppresk != ppk) memcpy(ppresk, ppk, cache_bytes);
   if (ppresv != ppv) memcpy(ppresv, ppv, cache_bytes);
