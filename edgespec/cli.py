@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from edgespec.errors import EdgespecError
+from edgespec.runtimes import pool
 from edgespec.runtimes.providers import DEVICES
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -47,8 +48,8 @@ device_option = click.option("--device", type=click.Choice(DEVICES), default="au
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 threads_option = click.option("--threads", default=0, show_default=True,
                               type=click.IntRange(0, CORES or 1),
-                              help="CPU threads per session (0: one per core; at most the "
-                                   "cores this process may use).")
+                              help="CPU threads of the pool the sessions share (0: one per "
+                                   "core; at most the cores this process may use).")
 gpu_memory_option = click.option(
     "--gpu-memory", callback=_memory,
     help="GPU memory the model may use, e.g. 6GiB (default: what the GPU reports free, "
@@ -594,7 +595,9 @@ def doctor() -> None:
 
 
 def main() -> None:
-    """Entry point: user errors become one red sentence and exit code 1, not a traceback."""
+    """Entry point: user errors become one red sentence and exit code 1, not a traceback.
+    The process is edgespec's own, so its sessions share one thread pool (runtimes.pool)."""
+    pool.share_threads()
     try:
         code = cli.main(standalone_mode=False)
         if isinstance(code, int) and code:

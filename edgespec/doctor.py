@@ -19,6 +19,7 @@ from rich.table import Table
 from edgespec import __version__, kernels
 from edgespec.engine import demo_bundle
 from edgespec.errors import EdgespecError
+from edgespec.runtimes.pool import session_options
 from edgespec.runtimes.providers import PROVIDER, nvidia_smi
 
 
@@ -39,7 +40,7 @@ def probe_providers() -> dict[str, str]:
             result[device] = "not in this onnxruntime build"
             continue
         try:
-            session = ort.InferenceSession(_probe_model(), providers=[name])
+            session = ort.InferenceSession(_probe_model(), session_options(), providers=[name])
             session.run(None, {"x": np.ones(2, np.float32)})
             got = session.get_providers()[0]
             result[device] = "works" if got == name else f"falls back to {got}"

@@ -20,7 +20,7 @@ import numpy as np
 
 from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
-from edgespec.runtimes import DecoderSession, resolve_providers
+from edgespec.runtimes import DecoderSession, pool, resolve_providers
 from edgespec.runtimes.decoder import SharedKVCache
 from edgespec.runtimes.providers import PROVIDER
 from edgespec.spec import (
@@ -47,9 +47,10 @@ if TYPE_CHECKING:  # offload reads graphs with onnx: imported only by bundles th
     from edgespec.runtimes.segments import Placement
 
 MODES = ("ar", "spec", "lookup")
-# A draft this small runs a pass in a fraction of a millisecond on one CPU thread: a
-# thread pool of its own only adds hand-offs, and its workers slow the target's (demo
-# pair on 2 cores: 1.3-1.9x the tokens/s in every mode, AR included, with 1 thread).
+# On a thread pool of its own (not runtimes.pool.share_threads), a draft this small runs on
+# one CPU thread: its pass takes a fraction of a millisecond, a pool only adds hand-offs,
+# and its workers slow the target's (demo pair on 2 cores: 1.3-1.9x the tokens/s in every
+# mode, AR included, with 1 thread).
 SMALL_DRAFT = 20_000_000
 DEFAULT_CONTEXT = 8192  # 128k-context models would otherwise reserve gigabytes of KV
 
@@ -197,9 +198,11 @@ class Engine:
             raise EdgespecError("this bundle's draft head reads the target's final states, "
                                 "which an offloaded target does not hand over; run it "
                                 "without --gpu-memory limits, or with --mode ar.")
+        draft_threads = (threads if pool.shared() or not m.draft
+                         or m.draft.params >= SMALL_DRAFT else 1)
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, draft_providers,
                                      draft_device or device, max_len=self.target.max_len,
-                                     threads=1 if m.draft.params < SMALL_DRAFT else threads,
+                                     threads=draft_threads,
                                      shared=shared, cache=kv, ranked=not self.head)
                       if m.draft else None)
         self._sessions = [s for s in (self.target, self.draft) if s is not None]
@@ -507,7 +510,8 @@ def load(path: Path | str | None = None, providers: list[str] | None = None,
          threads: int = 0, gpu_memory: int | None = None, draft_device: str | None = None,
          placements: list[Placement] | None = None) -> Engine:
     """Open a bundle (the embedded demo when `path` is None). `threads` sets ONNX
-    Runtime's intra-op threads (0: one per core; 1 is faster on a busy machine); see
+    Runtime's intra-op threads (0: one per core; 1 is faster on a busy machine; one pool
+    for the whole process after runtimes.pool.share_threads()); see
     Engine for offload (`gpu_memory`, `placements`) and `draft_device`."""
     return Engine(path, device=device, providers=providers, verify=verify, context=context,
                   threads=threads, gpu_memory=gpu_memory, draft_device=draft_device,

@@ -22,6 +22,7 @@ from onnx import TensorProto, helper
 from edgespec.export.graph import GraphBuilder
 from edgespec.quant.blockwise import dequantize
 from edgespec.quant.gguf_codes import ENCODINGS, encode
+from edgespec.runtimes.pool import session_options
 from tests.real_models import gemma_gguf, smollm2_gguf
 
 T = GGMLQuantizationType
@@ -37,7 +38,8 @@ def run_graph(g: GraphBuilder, inputs: dict[str, np.ndarray], out: str,
         [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], initializer=g.inits)
     model = helper.make_model(graph, ir_version=10, opset_imports=[
         helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(),
+                                providers=["CPUExecutionProvider"])
     return sess.run([out], inputs)[0]
 
 

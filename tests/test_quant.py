@@ -8,6 +8,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgespec.quant import QuantizedWeight, dequantize, quantize_blockwise
+from edgespec.runtimes.pool import session_options
 
 
 def run_matmulnbits(x: np.ndarray, q: QuantizedWeight, zero_points: bool) -> np.ndarray:
@@ -22,7 +23,8 @@ def run_matmulnbits(x: np.ndarray, q: QuantizedWeight, zero_points: bool) -> np.
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid("com.microsoft", 1)])
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(model.SerializeToString(), session_options(),
+                                providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x})[0]
 
 

@@ -17,6 +17,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from edgespec.runtimes.pool import session_options
+
 H, KV, D = 14, 2, 64
 FORMATS = {"fp32": (TensorProto.FLOAT, np.float32, D, None),
            "int8": (TensorProto.INT8, np.int8, D, 8),
@@ -46,7 +48,8 @@ def model(kind: str, max_len: int) -> bytes:
 
 def step_ms(kind: str, past: int, max_len: int, steps: int = 200) -> float:
     _, dtype, width, bits = FORMATS[kind]
-    session = ort.InferenceSession(model(kind, max_len), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model(kind, max_len), session_options(),
+                                   providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     k, v = (ort.OrtValue.ortvalue_from_numpy(np.zeros((1, KV, max_len, width), dtype))
             for _ in range(2))

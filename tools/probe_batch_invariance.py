@@ -27,6 +27,7 @@ from onnx import TensorProto, helper
 from edgespec.export import linear_ops
 from edgespec.export.graph import MS, OPSET, GraphBuilder
 from edgespec.quant.blockwise import quantize_blockwise
+from edgespec.runtimes.pool import session_options
 
 D, FF, QKV, VOCAB = 576, 1536, 960, 49152
 Linear = Callable[[GraphBuilder, str, np.ndarray, str], str]
@@ -155,8 +156,7 @@ def stack(kernel: Linear, layers: int, head: bool, seed: int = 0) -> ort.Inferen
             "y", TensorProto.FLOAT, None)], initializer=g.inits)
     model = helper.make_model(graph, ir_version=10, opset_imports=[
         helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
+    opts = session_options(2)
     opts.log_severity_level = 3
     return ort.InferenceSession(model.SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])

@@ -98,8 +98,9 @@ def op_session(graph: onnx.GraphProto, threads: int) -> ort.InferenceSession:
 
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                     helper.make_opsetid(DOMAIN, 1)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
+    from edgespec.runtimes.pool import session_options
+
+    opts = session_options(threads)
     register(opts)
     return ort.InferenceSession(model.SerializeToString(), opts,
                                 providers=["CPUExecutionProvider"])

@@ -17,6 +17,8 @@ import onnxruntime as ort
 from edgespec import kernels
 from edgespec.bundle import ModelEntry
 from edgespec.errors import EdgespecError
+from edgespec.runtimes import pool
+from edgespec.runtimes.pool import session_options
 from edgespec.runtimes.providers import check_session
 
 NEG_INF = np.finfo(np.float32).min
@@ -177,16 +179,15 @@ def open_session(path: Path, providers: list[str], threads: int = 0,
     graph with ranked outputs) whose external weights ONNX Runtime then reads from path's
     directory.
 
-    Segments run one after another, each session with its own thread pool, so their idle
-    threads must not spin (`spin=False`) waiting for work while the next one runs."""
-    opts = ort.SessionOptions()
+    Segments run one after another; on pools of their own (not runtimes.pool.share_threads)
+    their idle threads must not spin (`spin=False`) waiting for work while the next one
+    runs."""
+    opts = session_options(threads)
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        opts.intra_op_num_threads = threads
     if model is not None:
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                       str(path.parent.resolve()))
-    if not spin:
+    if not spin and not pool.shared():
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     kernels.register(opts)
     try:

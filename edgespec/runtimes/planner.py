@@ -25,6 +25,7 @@ from onnx import helper
 from edgespec.bundle import ModelEntry
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.decoder import STEP_INPUTS, step_inputs
+from edgespec.runtimes.pool import session_options
 from edgespec.runtimes.providers import PROVIDER, nvidia_smi
 from edgespec.runtimes.segments import Placement, Segment, check_splittable, tensor_bytes
 
@@ -307,14 +308,15 @@ def _time_layer(path: Path, model: onnx.ModelProto, entry: ModelEntry, device: s
     return best
 
 
-def _bandwidth(nbytes: int = 64 << 20) -> float:
+def _bandwidth(threads: int, nbytes: int = 64 << 20) -> float:
     """Host->GPU bytes/s as ONNX Runtime moves a bound host input to the CUDA provider."""
     x = helper.make_tensor_value_info("x", onnx.TensorProto.UINT8, ["n"])
     y = helper.make_tensor_value_info("y", onnx.TensorProto.UINT8, ["n"])
     model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])],
                                                 "copy", [x], [y]),
                               opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-    session = ort.InferenceSession(model.SerializeToString(), providers=[PROVIDER["cuda"]])
+    session = ort.InferenceSession(model.SerializeToString(), session_options(threads),
+                                   providers=[PROVIDER["cuda"]])
     if session.get_providers()[0] != PROVIDER["cuda"]:
         raise EdgespecError("ONNX Runtime could not start the cuda execution provider to "
                             "measure the GPU's bandwidth; check the CUDA libraries, or use "
@@ -346,7 +348,7 @@ def measure_costs(path: Path, entry: ModelEntry, gpu: bool, threads: int = 0,
     assumed = []
     cpu = fit("cpu")
     if gpu:
-        costs = Costs(bandwidth or _bandwidth(), cpu, fit("cuda"))
+        costs = Costs(bandwidth or _bandwidth(threads), cpu, fit("cuda"))
     else:
         assumed.append("GPU layer times (no GPU here)")
         costs = Costs(bandwidth or ASSUMED_BANDWIDTH, cpu)

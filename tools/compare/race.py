@@ -9,7 +9,8 @@ excluded) for everyone, totalled per round; the table gives the median round, th
 over rounds and the ratios to edgespec AR and to the fastest peer, also per round.
 
 - edgespec: the default export of the file (`--model FILE`'s cached bundle), AR and
-  whatever `edgespec generate` runs by default when that differs (a draft's speculation).
+  whatever `edgespec generate` runs by default when that differs (a draft's speculation),
+  its sessions on one shared thread pool as on the command line (runtimes.pool).
 - llama.cpp: llama-completion on the file itself (and llama-bench's tg figure, which has
   no prompt, for reference).
 - onnxruntime-genai 0.18: its builder's int4 model (`-p int4 -e cpu`) of the same weights
@@ -54,6 +55,7 @@ from peers import (  # noqa: E402
 import edgespec  # noqa: E402
 from edgespec.bench_sets import REAL_CATEGORIES, load_set, select  # noqa: E402
 from edgespec.model_cache import cache_dir, resolve_model, source_hash  # noqa: E402
+from edgespec.runtimes import pool  # noqa: E402
 
 
 def peers(args: argparse.Namespace, engine: Any) -> tuple[dict[str, Any], list[Any]]:
@@ -212,6 +214,7 @@ def main() -> None:
     for path in (args.model, args.draft):
         if path is not None and not path.is_file():
             sys.exit(f"error: {path} is not a file; pass a .gguf model.")
+    pool.share_threads()
     report = race(args)
     if args.json:
         print(json.dumps(report, indent=1))
