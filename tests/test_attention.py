@@ -254,27 +254,29 @@ def test_int8_caches_hold_the_codes_and_attend_with_them():
 
 def test_half_caches_hold_the_rounded_values_and_attend_with_them():
     """Keys (rotated) and values stored as numpy's float16 of them (nearest even), those
-    past 65504 saturated rather than infinite; the output is the float attention over what
-    the caches hold."""
+    past 65504 saturated rather than infinite, on every path; the output is the float
+    attention over what the caches hold."""
     run = session(kind="half")
-    st = Stream(20, seed=6, kind="half")
-    st.v[3, 1, :4] = [70000.0, -1e6, 65519.0, 65520.0]  # saturated, and the rounding edge
     bias = causal_bias(0, 20)
-    st.feed(run, list(range(20)), list(range(20)), bias)
-    keys = rotated(st.k, np.arange(20), st.cos, st.sin).astype(np.float32)
-    held_keys = st.cache[0][0, :, :20].transpose(1, 0, 2)
-    held_values = st.cache[1][0, :, :20].transpose(1, 0, 2)
-    assert np.array_equal(held_keys, keys.astype(np.float16))
-    want_values = np.clip(st.v, -65504, 65504).astype(np.float16)
-    assert np.array_equal(held_values, want_values)
-    assert list(held_values[3, 1, :4]) == [65504, -65504, 65504, 65504]
-    st.v[3, 1, :4] = 0.0  # the float reference over ordinary values
+    for _ in every_path():
+        st = Stream(20, seed=6, kind="half")
+        st.v[3, 1, :4] = [70000.0, -1e6, 65519.0, 65520.0]  # saturated, the rounding edge
+        st.v[4, 0, 8:12] = [np.nan, 3e-6, -7e-8, 1e-9]  # NaN (no payload), subnormal halves
+        st.feed(run, list(range(20)), list(range(20)), bias)
+        keys = rotated(st.k, np.arange(20), st.cos, st.sin).astype(np.float32)
+        held_keys = st.cache[0][0, :, :20].transpose(1, 0, 2)
+        held_values = st.cache[1][0, :, :20].transpose(1, 0, 2)
+        assert np.array_equal(held_keys, keys.astype(np.float16))
+        want_values = np.clip(st.v, -65504, 65504).astype(np.float16)
+        assert np.array_equal(held_values.view(np.uint16), want_values.view(np.uint16))
+        assert list(held_values[3, 1, :4]) == [65504, -65504, 65504, 65504]
+    st.v[3, 1, :4] = st.v[4, 0, 8:12] = 0.0  # the float reference over ordinary values
     held = Stream(20, seed=6)
     held.k, held.v = held_keys.astype(np.float32), st.v.astype(np.float16).astype(np.float32)
     held.cos, held.sin = np.ones_like(st.cos), np.zeros_like(st.sin)  # keys come rotated
     held.q = rotated(st.q, np.arange(20), st.cos, st.sin).astype(np.float32)
     fresh = Stream(20, seed=6, kind="half")
-    fresh.v[3, 1, :4] = 0.0
+    fresh.v[3, 1, :4] = fresh.v[4, 0, 8:12] = 0.0
     out = fresh.feed(run, list(range(20)), list(range(20)), bias)
     assert np.abs(out - reference(held, list(range(20)), list(range(20)), bias)).max() < 1e-5
 

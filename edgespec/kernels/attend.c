@@ -201,6 +201,21 @@ AVX2 static float exps_avx2(float *e, int64_t n, float top) {
     return fold_256(_mm256_add_ps(lanes, _mm256_loadu_ps(tail)));
 }
 
+/* to_half of n floats with F16C, which rounds to nearest even as to_half does once a
+ * value is clamped to +-65504 (to_half's saturation); a vector holding a NaN goes
+ * through to_half, whose NaN has no payload. */
+AVX2 static void to_halves_avx2(const float *x, uint16_t *out, int64_t n) {
+    const __m256 hi = _mm256_set1_ps(65504.0f), lo = _mm256_set1_ps(-65504.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;
+        const __m256 c = _mm256_max_ps(_mm256_min_ps(v, hi), lo);
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(c, _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (; i < n; ++i) out[i] = to_half(x[i]);
+}
+
 /* values_portable for R registers of 8 dimensions from d0, the group's queries m0 .. m0+Q-1
  * (numbered row after row, head after head) and the keys [u0, u1): each value vector is
  * loaded once for all Q, whose R * Q sums (at most 8 registers) advance side by side. */
@@ -547,6 +562,16 @@ static float run_scores(float *w, const float *bias, int64_t n, float scale) {
     return run_scores_portable(w, bias, n, scale);
 }
 
+static void to_halves(const float *x, uint16_t *out, int64_t n) {
+#ifdef EDGESPEC_X86
+    if (blockq_path() >= 1) {
+        to_halves_avx2(x, out, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; ++i) out[i] = to_half(x[i]);
+}
+
 static float exps(float *e, int64_t n, float top) {
 #ifdef EDGESPEC_X86
     if (blockq_path() >= 1) return exps_avx2(e, n, top);
@@ -636,12 +661,12 @@ void attend_prepare(const AttendShape *a, const float *q, int64_t q_stride, cons
                 continue;
             }
             rotate(k + s * k_stride + g * D, scratch, D, a->half, c, sn);
+            if (kind == HALVES) {
+                to_halves(scratch, (uint16_t *)kcache + at, D);
+                to_halves(vs, (uint16_t *)vcache + at, D);
+                continue;
+            }
             for (int64_t d = 0; d < D; ++d) {
-                if (kind == HALVES) {
-                    ((uint16_t *)kcache)[at + d] = to_half(scratch[d]);
-                    ((uint16_t *)vcache)[at + d] = to_half(vs[d]);
-                    continue;
-                }
                 ((int8_t *)kcache)[at + d] = int8_code(scratch[d] / a->kscale[g * D + d]);
                 ((int8_t *)vcache)[at + d] = int8_code(vs[d] / a->vscale[g * D + d]);
             }
