@@ -59,6 +59,15 @@ def plain_text(messages: list[dict[str, str]]) -> str:
     return "\n\n".join([*turns, "Assistant:"])
 
 
+def prompt_text(tokenizer: Tokenizer, item: dict[str, Any]) -> str:
+    """A prompt as the text prompt_ids encodes, for runtimes that take text (llama.cpp)."""
+    if "messages" not in item:
+        return item["prompt"]
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(item["messages"])
+    return plain_text(item["messages"])
+
+
 def prompt_ids(tokenizer: Tokenizer, item: dict[str, Any]) -> list[int]:
     """A prompt's ids: a conversation through the chat template (as plain text when the
     model has none), a plain prompt as it is."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgespec.bundle import read_manifest
+from edgespec.bundle import ModelEntry, read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.runtimes import DecoderSession, pool, resolve_providers
 from edgespec.runtimes.decoder import SharedKVCache
@@ -53,6 +53,12 @@ MODES = ("ar", "spec", "lookup")
 # mode, AR included, with 1 thread).
 SMALL_DRAFT = 20_000_000
 DEFAULT_CONTEXT = 8192  # 128k-context models would otherwise reserve gigabytes of KV
+
+
+def _draft_threads(draft: ModelEntry, threads: int) -> int:
+    """One thread for a small draft on its own pool (SMALL_DRAFT); on the shared pool the
+    setting is moot: every session runs on the pool the first one sized."""
+    return 1 if draft.params < SMALL_DRAFT and not pool.shared() else threads
 
 
 def demo_bundle() -> Path:
@@ -198,11 +204,9 @@ class Engine:
             raise EdgespecError("this bundle's draft head reads the target's final states, "
                                 "which an offloaded target does not hand over; run it "
                                 "without --gpu-memory limits, or with --mode ar.")
-        draft_threads = (threads if pool.shared() or not m.draft
-                         or m.draft.params >= SMALL_DRAFT else 1)
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, draft_providers,
                                      draft_device or device, max_len=self.target.max_len,
-                                     threads=draft_threads,
+                                     threads=_draft_threads(m.draft, threads),
                                      shared=shared, cache=kv, ranked=not self.head)
                       if m.draft else None)
         self._sessions = [s for s in (self.target, self.draft) if s is not None]

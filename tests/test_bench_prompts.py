@@ -9,7 +9,15 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from edgespec.bench_sets import REAL_CATEGORIES, load_set, plain_text, select
+from edgespec.bench_sets import (
+    REAL_CATEGORIES,
+    load_set,
+    plain_text,
+    prompt_ids,
+    prompt_text,
+    select,
+)
+from edgespec.tokenizer import Tokenizer
 
 ASSETS = Path(__file__).resolve().parents[1] / "edgespec" / "assets"
 N = 13
@@ -101,6 +109,19 @@ def test_plain_text_rendering_for_models_without_a_template():
                        {"role": "assistant", "content": "Hello."},
                        {"role": "user", "content": "Bye"}])
     assert text == "User: Hi\n\nAssistant: Hello.\n\nUser: Bye\n\nAssistant:"
+
+
+def test_prompt_text_is_what_prompt_ids_encode_with_and_without_a_template(demo_target):
+    """What text runtimes (llama.cpp in tools/compare) are given: the chat template's
+    rendering, or for a base model the labelled plain text whose ids edgespec runs."""
+    chat = Tokenizer.from_dir(demo_target)
+    base = Tokenizer.from_dir(demo_target)
+    base.chat_template = None  # as a base model's GGUF file has it (Gemma 3 270m)
+    for item in select(load_set("real"), ("chat", "multi-turn"), 2):
+        assert prompt_text(chat, item) == chat.apply_chat_template(item["messages"])
+        assert prompt_text(base, item) == plain_text(item["messages"])
+        assert base.encode(prompt_text(base, item)) == prompt_ids(base, item)
+    assert prompt_text(chat, {"prompt": "def f(x):"}) == "def f(x):"
 
 
 def test_the_overlap_check_finds_a_copied_prompt_and_a_shared_run(tmp_path):

@@ -36,7 +36,7 @@ class Missing(Exception):
 @dataclass
 class Prompt:
     messages: list[dict[str, str]]
-    text: str  # through the chat template
+    text: str  # through the chat template (bench_sets.prompt_text)
     ids: list[int]
 
 

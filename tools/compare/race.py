@@ -1,7 +1,8 @@
 """The speed race on one model: edgespec, llama.cpp and onnxruntime-genai side by side.
 
 Same GGUF file, same held-out prompts (edgespec's real-model bench set, chat unless
-`--category` says otherwise, through the model's chat template: token ids for edgespec and
+`--category` says otherwise, through the model's chat template, or as labelled plain text
+for a base model without one, as `edgespec bench` gives them: token ids for edgespec and
 genai, the rendered text for llama.cpp), greedy, the same number of new tokens and CPU
 threads, interleaved: every round runs each prompt on every runtime in turn, the order
 rotating. Speed is decode tokens/s (prefill
@@ -53,7 +54,13 @@ from peers import (  # noqa: E402
 )
 
 import edgespec  # noqa: E402
-from edgespec.bench_sets import REAL_CATEGORIES, load_set, select  # noqa: E402
+from edgespec.bench_sets import (  # noqa: E402
+    REAL_CATEGORIES,
+    load_set,
+    prompt_ids,
+    prompt_text,
+    select,
+)
 from edgespec.model_cache import cache_dir, resolve_model, source_hash  # noqa: E402
 from edgespec.runtimes import pool  # noqa: E402
 
@@ -97,8 +104,7 @@ def peers(args: argparse.Namespace, engine: Any) -> tuple[dict[str, Any], list[A
 def race(args: argparse.Namespace) -> dict[str, Any]:
     engine = edgespec.load(args.bundle or resolve_model(args.model), threads=args.threads)
     tok = engine.tokenizer
-    prompts = [Prompt(p["messages"], tok.apply_chat_template(p["messages"]),
-                      tok.encode_chat(p["messages"]))
+    prompts = [Prompt(p["messages"], prompt_text(tok, p), prompt_ids(tok, p))
                for p in select(load_set("real"), (args.category,), args.prompts)]
     runners, to_close = peers(args, engine)
     names = list(runners)
