@@ -27,6 +27,7 @@ GENAI_INSTALL = ("python -m venv /work/venv-genai && /work/venv-genai/bin/pip in
                  "onnxruntime-genai==0.18.0 onnx onnx-ir transformers torch, then pass "
                  "--genai-python /work/venv-genai/bin/python")
 WORKER = Path(__file__).with_name("genai_worker.py")
+BUILDER = Path(__file__).with_name("genai_build.py")  # genai's builder, Gemma 3's RoPE fixed
 
 
 class Missing(Exception):
@@ -178,9 +179,8 @@ def build_genai_model(python: Path, gguf: Path, work: Path, threads: int) -> Pat
     if not (hf / "config.json").is_file():
         _gguf_to_checkpoint(gguf, hf)
     if not (out / "genai_config.json").is_file():
-        subprocess.run([str(python), "-m", "onnxruntime_genai.models.builder", "-i", str(hf),
-                        "-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(work / "cache")],
-                       check=True, capture_output=True)
+        subprocess.run([str(python), str(BUILDER), "-i", str(hf), "-o", str(out), "-p", "int4",
+                        "-e", "cpu", "-c", str(work / "cache")], check=True, capture_output=True)
     config_path = out / "genai_config.json"
     config = json.loads(config_path.read_text())
     config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = \
