@@ -16,16 +16,20 @@ import time
 
 import onnxruntime_genai as og
 
+WINDOW_ROOM = 1024  # the widest sliding window of the models raced (Gemma 3: 512)
+
 
 def generate(model: og.Model, ids: list[int], max_new_tokens: int) -> dict:
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + max_new_tokens, do_sample=False)
+    # a sliding-window model (Gemma 3) refuses a KV cache shorter than its window
+    params.set_search_options(max_length=max(len(ids) + max_new_tokens, WINDOW_ROOM),
+                              do_sample=False)
     generator = og.Generator(model, params)
     start = time.perf_counter()
     generator.append_tokens(ids)
     out: list[int] = []
     first = 0.0
-    while not generator.is_done():
+    while not generator.is_done() and len(out) < max_new_tokens:
         generator.generate_next_token()
         out.append(int(generator.get_next_tokens()[0]))
         if len(out) == 1:
