@@ -57,6 +57,9 @@ class ModelEntry:
     data_files: list[str] = field(default_factory=list)
     source: str = ""
     kind: str = ""  # "" a decoder; "eagle" a draft head reading the target's states
+    # a head's sampling proposals: its softmax at this times the target's temperature
+    # (from its card, spec.drafters.HeadDrafter); 1.0 for every other draft
+    proposal_scale: float = 1.0
 
     @property
     def activation_dtype(self) -> str:
@@ -107,7 +110,8 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
     raw = {k: v for k, v in raw.items() if k in fields}  # newer optional fields: ignored
     kinds = {"graph": str, "architecture": str, "precision": str, "kv_layout": str,
              "kv_dtype": str, "nested": str, "compute_dtype": str,
-             "source": str, "kind": str, "data_files": list, "block_size": (int, type(None))}
+             "source": str, "kind": str, "data_files": list, "block_size": (int, type(None)),
+             "proposal_scale": (int, float)}
     for name, f in fields.items():
         if name not in raw:
             if f.default is not MISSING or f.default_factory is not MISSING:
@@ -134,6 +138,9 @@ def _model_entry(mpath: Path, where: str, raw: Any) -> ModelEntry:
     if entry.kind not in ("", "eagle"):
         raise _fail(mpath, f"'{where}.kind' is '{entry.kind}', which this edgespec cannot "
                            "run; upgrade edgespec or re-export the bundle.")
+    if not entry.proposal_scale > 0:
+        raise _fail(mpath, f"'{where}.proposal_scale' is {entry.proposal_scale}, but it must "
+                           "be above 0; the manifest is damaged, re-export the bundle.")
     if entry.kv_layout not in KV_LAYOUTS:
         raise _fail(mpath, f"'{where}.kv_layout' is '{entry.kv_layout}', which this edgespec "
                            "cannot run; upgrade edgespec or re-export the bundle.")

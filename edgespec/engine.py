@@ -298,7 +298,8 @@ class Engine:
 
     def _head_drafter(self, config: GenerationConfig) -> HeadDrafter:
         return HeadDrafter(self.draft, self.target, self.kept, self.manifest.target.vocab_size,
-                           config.stop_rule, config.stop_threshold)
+                           config.stop_rule, config.stop_threshold,
+                           proposal_scale=self.manifest.draft.proposal_scale)
 
     def _config(self, config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
         config = self.resolve(config or GenerationConfig(**kwargs))

@@ -78,6 +78,8 @@ BAD_MANIFESTS = [
     (lambda r: r["files"].update({"../evil": "0"}), "points outside the bundle"),
     (lambda r: r["files"].update({"extra.bin": "0"}), "extra.bin is missing"),
     (lambda r: r.__setitem__("draft", []), "'draft' must be dict"),
+    (lambda r: r["draft"].update(proposal_scale=0), "'draft.proposal_scale' is 0"),
+    (lambda r: r["draft"].update(proposal_scale="0.6"), "'draft.proposal_scale' must be"),
 ]
 
 

@@ -70,9 +70,10 @@ KEPT = np.array([0, 1, 3, 4])  # token 2 cannot be drafted (VocabTrim)
 
 
 def head_run(target_table, draft_table, params, gamma, rng, kept=KEPT, stop=("none", 0.4),
-             stats=None, window=256):
+             stats=None, window=256, proposal_scale=1.0):
     target = FeatureMarkov(target_table, 200)
-    drafter = HeadDrafter(ToyHead(draft_table, kept), target, kept, V, *stop, window=window)
+    drafter = HeadDrafter(ToyHead(draft_table, kept), target, kept, V, *stop, window=window,
+                          proposal_scale=proposal_scale)
     return chain_decode(target, drafter, [2, 0], params, gamma, rng,
                         stats or GenerationStats("spec"))
 
@@ -289,13 +290,33 @@ def test_a_perfect_head_is_always_accepted():
 
 
 @pytest.mark.parametrize("params", PARAMS)
-@pytest.mark.parametrize("window", [256, 1])  # 1: the head's first pass skips the prompt
-def test_head_sampling_preserves_sequence_distribution(params, window):
+@pytest.mark.parametrize(("window", "scale"), [(256, 1.0), (1, 1.0), (256, 0.6)])
+def test_head_sampling_preserves_sequence_distribution(params, window, scale):
+    """window 1: the head's first pass skips the prompt; scale 0.6: it proposes from a
+    sharper softmax than the target's temperature (a trained head's proposal_scale)."""
     target_table, draft_table = tables(1)
     rng = np.random.default_rng(7)
     samples = [tuple(take(head_run(target_table, draft_table, params, 3, rng,
-                                   window=window), 3)) for _ in range(6000)]
+                                   window=window, proposal_scale=scale), 3))
+               for _ in range(6000)]
     assert_matches(samples, exact_distribution(target_table, 0, 3, params))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.6, 2.0])
+def test_a_head_proposes_from_its_softmax_at_its_scaled_temperature(scale):
+    """The proposal q handed to verification is the head's row through warp at
+    proposal_scale times the target's temperature (top-k and top-p as the target's),
+    zero outside the kept tokens: checked against a numpy softmax of the toy head's row."""
+    target_table, draft_table = tables(4)
+    target = FeatureMarkov(target_table, 200)
+    target.forward([2, 0])
+    drafter = HeadDrafter(ToyHead(draft_table, KEPT), target, KEPT, V, proposal_scale=scale)
+    _, q = drafter.propose([2, 0, 1], 1, SamplingParams(0.7), np.random.default_rng(0),
+                           GenerationStats("spec"))
+    z = draft_table[1][KEPT] / (0.7 * scale)
+    want = np.zeros(V)
+    want[KEPT] = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+    np.testing.assert_allclose(q[0], want, rtol=1e-5, atol=1e-7)
 
 
 def test_a_wrong_verifier_fails_the_head_distribution_test(monkeypatch):
@@ -647,6 +668,25 @@ def drafts_and_equals_ar(bundle: Path) -> None:
             assert spec.stats.draft_passes > 0
             assert spec.token_ids == engine.generate(prompt, max_new_tokens=40,
                                                      temperature=0, mode="ar").token_ids
+
+
+def test_a_heads_proposal_scale_goes_from_its_card_to_its_drafter(tiny, trained, tmp_path):
+    """The card's proposal_scale is the bundle's and the engine's drafter's; none: 1."""
+    import edgespec
+    from edgespec.engine import GenerationConfig
+    from edgespec.export import export
+    from edgespec.export.draft_head import load_head
+
+    path, _ = tiny
+    head = load_head(trained)
+    head.card["proposal_scale"] = 0.5
+    head.save(tmp_path / "sharp.npz")
+    for draft, want in ((trained, 1.0), (tmp_path / "sharp.npz", 0.5)):
+        out = tmp_path / draft.stem
+        export(path, out, draft=draft, precision="fp32")
+        engine = edgespec.load(out)
+        assert engine.manifest.draft.proposal_scale == want
+        assert engine._head_drafter(engine.resolve(GenerationConfig())).proposal_scale == want
 
 
 def test_draft_precision_sets_the_heads_own_weights(tiny, trained, tmp_path):

@@ -205,7 +205,7 @@ def _export_head(head_path: Path, source: Source, out: Path, precision: str, blo
         hidden_size=c.hidden_size, num_layers=1, num_heads=c.num_heads,
         num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
         max_positions=adapter.spec.max_positions, params=head.params, source=str(head_path),
-        kind="eagle")
+        kind="eagle", proposal_scale=float(head.card.get("proposal_scale", 1.0)))
 
 
 def default_head(source: Source) -> Path | None:

@@ -9,6 +9,7 @@ still exact.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Protocol
 
 import numpy as np
@@ -121,10 +122,19 @@ class HeadDrafter:
     1.15 s); what it then drafts from is the target's states, which saw everything.
     On SmolLM2's RAG and summary prompts (greedy, 96 tokens) its acceptance is the same
     with 256, 512 or all tokens read (36.6%, 36.1%, 36.1%), its drafting time a third.
+
+    Sampling, a token drawn from q is accepted with probability sum_x min(p(x), q(x)), and
+    any q keeps the output the target's, so a head proposes from its softmax at
+    `proposal_scale` times the target's temperature: a property of the trained head (its
+    card's "proposal_scale", measured by tools/eval_proposal_scale.py; 1 when it has none,
+    as the shipped ones). Teacher-forced on greedy answers a sharper q looked better
+    (SmolLM2's head: 36.6 -> 38.6% at T=0.7, scale 0.6; Gemma 3's: 27.1 -> 33.8%, 0.2), but
+    decoding sampled text gained nothing (Gemma 3's head alone at T=1: 30.3% -> 25.3%).
     """
 
     def __init__(self, head, target, kept: np.ndarray, vocab_size: int,
-                 stop_rule: str = "none", threshold: float = 0.4, window: int = 256):
+                 stop_rule: str = "none", threshold: float = 0.4, window: int = 256,
+                 proposal_scale: float = 1.0):
         """`head` has `forward_head(ids, hidden) -> (logits [S, K], states [S, d])` and a
         cache; `target.features[j]` is the target's state after token j."""
         self.head, self.target = head, target
@@ -132,6 +142,7 @@ class HeadDrafter:
         self.vocab_size = vocab_size
         self.stop_rule, self.threshold = stop_rule, threshold
         self.window = window
+        self.proposal_scale = proposal_scale
         self.known = 0  # head positions fed with the target's own states
         self.skipped = 0  # leading tokens the head never reads (`window`)
 
@@ -158,8 +169,7 @@ class HeadDrafter:
                 self.known = self.head.cache.length
             row = logits[-1]
             need_q = not params.greedy or self.stop_rule != "none"
-            q = warp(row, params if not params.greedy else SamplingParams(1.0)) \
-                if need_q else None
+            q = warp(row, self._proposal(params)) if need_q else None
             if proposals and q is not None and should_stop(q, self.stop_rule,
                                                            self.threshold):
                 break  # the head's own numbers only: verification stays lossless
@@ -172,6 +182,11 @@ class HeadDrafter:
                 proposals.append(sample_probs(full, rng))
             ids, states = proposals[-1:], predicted[-1:]
         return proposals, (np.stack(q_rows) if q_rows else None)
+
+    def _proposal(self, params: SamplingParams) -> SamplingParams:
+        if params.greedy:  # q only for the stop rule: the head's own softmax
+            return SamplingParams(1.0)
+        return replace(params, temperature=params.temperature * self.proposal_scale)
 
     def rollback(self, committed: int) -> None:
         self.head.cache.trim(self.head.cache.length - self.known)
