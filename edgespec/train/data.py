@@ -225,8 +225,9 @@ def _continue(model, rows: list[list[int]], eos_ids: list[int], sample: bool,
 
     stop = int(eos_ids[0])
     width = max(map(len, rows))
-    ids = torch.tensor([[stop] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    ids = torch.tensor([[stop] * (width - len(r)) + r for r in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
+                        device=model.device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, do_sample=sample,
                              temperature=1.0 if sample else None, top_p=None, top_k=None,
@@ -282,3 +283,23 @@ def answered(model, tokenizer: Tokenizer, eos_ids: list[int], requests: list[str
                    for t in requests[start:start + batch]]
         yield [p + a for p, a in zip(prompts, _continue(model, prompts, eos_ids, False,
                                                         max_new_tokens), strict=True)]
+
+
+def float_states(model, sequences: list[list[int]], batch: int) -> Iterator[np.ndarray]:
+    """The float model's final-norm states along each sequence (float16 [T, d]), read
+    `batch` sequences at a time: on a GPU the states come this way, since the exported
+    graph runs there a sequence at a time on the CPU. They differ from the exported
+    target's as its logits do (KL ~0.002 for SmolLM2's file), which a head trained with
+    input noise does not notice."""
+    import torch
+
+    for start in range(0, len(sequences), batch):
+        rows = sequences[start:start + batch]
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=model.device)
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows],
+                            device=model.device)
+        with torch.inference_mode():
+            states = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        states = states.to(torch.float16).cpu().numpy()
+        yield from (s[:len(r)] for s, r in zip(states, rows, strict=True))

@@ -215,6 +215,30 @@ def batch_of(items: list[tuple[np.ndarray, np.ndarray]], unroll: int):
     return ids, states, targets, valid, mask
 
 
+def head_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], opts: TrainOptions
+              ) -> tuple[torch.Tensor, list[float]]:
+    """EAGLE's loss over a batch (batch_of's tensors, on the head's device): per unroll
+    step s, weighted 0.8^s, the predicted state's smooth L1 distance to the target's and
+    the cross-entropy of its next-token distribution against the target's over
+    `ce_rows` positions; with each step's top-1 agreement on those rows."""
+    ids, states, targets, valid, mask = batch
+    noisy = states + (torch.rand_like(states) * 2 - 1) * opts.noise * \
+        states.pow(2).mean(-1, keepdim=True).sqrt()
+    losses, stats = [], []
+    for k, predicted in enumerate(head.unrolled(ids, noisy, mask)):
+        v = valid[:, k]
+        p, target = predicted[v], targets[:, k][v]
+        feature = F.smooth_l1_loss(p, target)
+        rows = torch.randperm(len(p))[:opts.ce_rows].to(p.device)
+        with torch.no_grad():
+            soft = torch.softmax(head.logits(target[rows]), -1)
+        logp = torch.log_softmax(head.logits(p[rows]), -1)
+        ce = -(soft * logp).sum(-1).mean()
+        losses.append(0.8 ** k * (feature + opts.ce_weight * ce))
+        stats.append(float((logp.argmax(-1) == soft.argmax(-1)).float().mean()))
+    return torch.stack(losses).sum(), stats
+
+
 def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None = None,
                 opts: TrainOptions | None = None, resume: bool = True,
                 console: Console | None = None,
@@ -272,28 +296,12 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
         rng = saved["rng"]
     items = windows(convs, opts.seq_len)
     per_batch = max(1, opts.batch_tokens // opts.seq_len)
-    weights = torch.tensor([0.8 ** k for k in range(opts.unroll)])
     with _progress(console) as progress:
         task = progress.add_task("training the head", total=opts.steps, completed=step)
         while step < opts.steps:
             pick = rng.choice(len(items), min(per_batch, len(items)), replace=False)
-            ids, states, targets, valid, mask = batch_of([items[i] for i in pick], opts.unroll)
-            noisy = states + (torch.rand_like(states) * 2 - 1) * opts.noise * \
-                states.pow(2).mean(-1, keepdim=True).sqrt()
-            outputs = head.unrolled(ids, noisy, mask)
-            loss = torch.zeros(())
-            stats = []
-            for k, predicted in enumerate(outputs):
-                v = valid[:, k]
-                p, target = predicted[v], targets[:, k][v]
-                feature = F.smooth_l1_loss(p, target)
-                rows = torch.randperm(len(p))[:opts.ce_rows]
-                with torch.no_grad():
-                    soft = torch.softmax(head.logits(target[rows]), -1)
-                logp = torch.log_softmax(head.logits(p[rows]), -1)
-                ce = -(soft * logp).sum(-1).mean()
-                loss = loss + weights[k] * (feature + opts.ce_weight * ce)
-                stats.append(float((logp.argmax(-1) == soft.argmax(-1)).float().mean()))
+            loss, stats = head_loss(head, batch_of([items[i] for i in pick], opts.unroll),
+                                    opts)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
