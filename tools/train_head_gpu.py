@@ -199,8 +199,9 @@ def main() -> int:
     seqs, prompt_lens = answer(model, tokenizer, source.eos_ids, prompts, args, clock,
                                write_until)
     lengths = np.array([len(s) for s in seqs])
-    np.savez(args.out / "conversations.npz", lengths=lengths, prompt_lengths=prompt_lens,
-             tokens=np.concatenate(seqs).astype(np.uint32))
+    np.savez_compressed(args.out / "conversations.npz", lengths=lengths,
+                        prompt_lengths=prompt_lens, tokens=np.concatenate(seqs).astype(
+                            np.uint16 if spec.vocab_size <= 1 << 16 else np.uint32))
     states = list(data.float_states(model, seqs, 256))
     del model
     clock.say(f"states of {len(seqs)} conversations")
