@@ -452,6 +452,25 @@ def test_train_data_reads_the_states_a_head_is_trained_on(tiny, tmp_path):
     assert np.abs(target.features[:12] - states).max() < 1e-4
 
 
+def test_float_states_in_padded_batches_are_the_exported_targets(tiny, tmp_path):
+    """On a GPU the head learns the float model's states, read in padded batches
+    (data.float_states): each sequence's are the exported fp32 target's reading it alone,
+    whatever its batch-mates' lengths."""
+    from edgespec.export import export
+    from edgespec.train.data import float_states, read_sequences
+
+    path, model = tiny
+    export(path, tmp_path / "b", draft="none", precision="fp32")
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(0, 4096, n).tolist() for n in (5, 17, 9, 30, 2)]
+    batched = list(float_states(model, seqs, 3))
+    alone = read_sequences(tmp_path / "b", seqs, 1, lambda n: None)
+    assert [len(s) for s in batched] == [len(s) for s in seqs]
+    for got, want in zip(batched, alone, strict=True):
+        assert got.dtype == np.float16
+        assert np.abs(got.astype(np.float32) - want.states.astype(np.float32)).max() < 1e-2
+
+
 def test_read_along_gives_the_states_of_reading_each_window_alone(tiny, tmp_path):
     """--text: the target reads random windows of the texts until the token budget is
     spent; each window's states are transformers' last_hidden_state over that window."""

@@ -81,6 +81,8 @@ def answer(model, tokenizer, eos, prompts: list[str], args, clock: Clock, until:
            ) -> tuple[list[list[int]], list[int]]:
     """Greedy conversations, and each one's prompt length (through the chat template)."""
     seqs, prompt_lens = [], []
+    if clock.elapsed() > until:
+        return seqs, prompt_lens
     batches = data.answered(model, tokenizer, eos, prompts, args.max_new_tokens, args.batch)
     for convs in batches:
         start = len(seqs)
@@ -160,6 +162,16 @@ def main() -> int:
     ap.add_argument("model", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--init", type=Path, required=True)
+    ap.add_argument("--data", type=Path,
+                    help="an earlier run's --out: its requests and conversations again")
+    ap.add_argument("--fresh", action=argparse.BooleanOptionalAction, default=True,
+                    help="train a fresh head beside the one from --init")
+    ap.add_argument("--kept-from-data", action="store_true",
+                    help="the --init head proposes this data's most frequent tokens")
+    ap.add_argument("--init-lr", type=float, default=3e-4)
+    ap.add_argument("--text", type=Path, action="append",
+                    help="text files or directories the float model reads too (repeatable)")
+    ap.add_argument("--text-tokens", type=int, default=1_000_000)
     ap.add_argument("--seconds", type=float, default=420, help="the whole run's budget")
     ap.add_argument("--write-share", type=float, default=0.5,
                     help="of the budget: writing requests and answers")
@@ -192,50 +204,68 @@ def main() -> int:
 
     loaded = clock.elapsed()
     write_until = loaded + (args.seconds - loaded) * args.write_share
-    requests = write_requests(model, tokenizer, source.eos_ids, args, clock,
-                              loaded + 0.3 * (write_until - loaded))
+    if args.data:  # an earlier run's requests and conversations, answered further
+        requests = json.loads((args.data / "requests.json").read_text())
+        with np.load(args.data / "conversations.npz") as z:
+            seqs = [t.tolist() for t in np.split(z["tokens"].astype(np.int64),
+                                                 np.cumsum(z["lengths"])[:-1])]
+            prompt_lens = z["prompt_lengths"].tolist()
+    else:
+        requests = write_requests(model, tokenizer, source.eos_ids, args, clock,
+                                  loaded + 0.3 * (write_until - loaded))
+        seqs, prompt_lens = [], []
     (args.out / "requests.json").write_text(json.dumps(requests, ensure_ascii=False))
-    prompts = requests + data.builtin_prompts()
-    seqs, prompt_lens = answer(model, tokenizer, source.eos_ids, prompts, args, clock,
-                               write_until)
+    given = len(seqs)  # the built-in prompts first if requests were answered before
+    todo = (data.builtin_prompts() + requests[given:] if given else
+            requests + data.builtin_prompts())
+    more, more_lens = answer(model, tokenizer, source.eos_ids, todo, args, clock, write_until)
+    seqs, prompt_lens = seqs + more, prompt_lens + more_lens
     lengths = np.array([len(s) for s in seqs])
     np.savez_compressed(args.out / "conversations.npz", lengths=lengths,
                         prompt_lengths=prompt_lens, tokens=np.concatenate(seqs).astype(
                             np.uint16 if spec.vocab_size <= 1 << 16 else np.uint32))
     states = list(data.float_states(model, seqs, 256))
+    read = data.windows_of(tokenizer, data.read_texts(args.text), 257, args.text_tokens,
+                           args.seed) if args.text else []
+    texts = [data.Conversation(np.array(ids), s) for ids, s in
+             zip(read, data.float_states(model, read, 256), strict=True)]
     del model
-    clock.say(f"states of {len(seqs)} conversations")
+    clock.say(f"states of {len(seqs)} conversations and {len(texts)} text windows")
 
     rng = np.random.default_rng(args.seed)
-    # held out are requests: --init learnt the built-in prompts' answers
-    held = sorted(rng.permutation(min(len(requests), len(seqs)))[:args.heldout])
+    # held out are requests (--init learnt the built-in prompts' answers), those of --data
+    # if given (a head trained on the rest of them is scored on what it never saw)
+    held = sorted(rng.permutation(given or min(len(requests), len(seqs)))[:args.heldout])
     train = [data.Conversation(np.asarray(seqs[i]), states[i])
-             for i in sorted(set(range(len(seqs))) - set(held))]
+             for i in sorted(set(range(len(seqs))) - set(held))] + texts
     held_seqs = [np.asarray(seqs[i]) for i in held]
     held_states = [states[i] for i in held]
     held_prompt = [prompt_lens[i] for i in held]
     counts = np.bincount(np.concatenate([c.tokens for c in train]), minlength=spec.vocab_size)
     fresh_config = HeadConfig.for_target(spec, args.fresh_intermediate or 4 * spec.hidden_size)
-    trainees = [
-        Trainee("init", start.config, start.kept, embed, lm_head, spec.embed_scale, 3e-4,
-                args.device, start),
-        Trainee("fresh", fresh_config, kept_tokens(counts, len(start.kept), source.eos_ids),
-                embed, lm_head, spec.embed_scale, 1e-3, args.device, None)]
+    kept = kept_tokens(counts, len(start.kept), source.eos_ids)
+    trainees = [  # a head's layer does not depend on which LM-head rows it scores
+        Trainee("init", start.config, kept if args.kept_from_data else start.kept, embed,
+                lm_head, spec.embed_scale, args.init_lr, args.device, start),
+        Trainee("fresh", fresh_config, kept,
+                embed, lm_head, spec.embed_scale, 1e-3, args.device, None)][:1 + args.fresh]
     opts = TrainOptions(unroll=3, seq_len=256, batch_tokens=args.batch_tokens,
                         ce_rows=args.ce_rows)
     report = {"model": args.model.name, "requests": len(requests),
               "conversations": len(seqs), "tokens": int(lengths.sum()),
               "heldout": len(held), "write_seconds": round(clock.elapsed(), 1),
-              "before": heldout_top1(trainees[0].head, start.kept, held_seqs, held_states,
-                                     held_prompt, 3, args.device)}
+              "before": heldout_top1(Trainee("before", start.config, start.kept, embed,
+                                             lm_head, spec.embed_scale, 0, args.device,
+                                             start).head, start.kept, held_seqs,
+                                     held_states, held_prompt, 3, args.device)}
     clock.say(f"held-out top-1 of --init as shipped: {report['before']}")
     items = windows(train, opts.seq_len)
     per_batch = max(1, opts.batch_tokens // opts.seq_len)
     train_from, train_until = clock.elapsed(), args.seconds - 30
     card = {"target": args.model.name, "trained_on": "a GPU (tools/train_head_gpu.py)",
-            "data": {k: report[k] for k in ("requests", "conversations", "tokens")},
-            "options": {**vars(args), "model": str(args.model), "out": str(args.out),
-                        "init": str(args.init)}}
+            "data": {**{k: report[k] for k in ("requests", "conversations", "tokens")},
+                 "text_windows": len(texts), "text_tokens": sum(len(t.tokens) for t in texts)},
+            "options": json.loads(json.dumps(vars(args), default=str))}
     saved = clock.elapsed()
     while clock.elapsed() < train_until:
         progress = (clock.elapsed() - train_from) / (train_until - train_from)

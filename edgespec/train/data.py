@@ -147,11 +147,17 @@ def read_texts(paths: list[Path]) -> list[str]:
 
 def read_along(bundle: Path, texts: list[str], window: int, max_tokens: int, seed: int,
                threads: int, on_window: Callable[[int], None]) -> list[Conversation]:
-    """The target reads windows of `window` tokens cut from the texts, in a seeded random
-    order, until `max_tokens` are read; each from an empty cache, so its states are those
-    of reading the window alone. The texts are tokenized in a random order too, and only
-    until they hold four times the budget: a big corpus costs what is drawn from it."""
+    """The target reads windows_of the texts, each from an empty cache, so its states are
+    those of reading the window alone."""
     _, tokenizer, target = _target(bundle, threads)
+    return _read(target, windows_of(tokenizer, texts, window, max_tokens, seed), on_window)
+
+
+def windows_of(tokenizer: Tokenizer, texts: list[str], window: int, max_tokens: int,
+               seed: int) -> list[list[int]]:
+    """Windows of `window` tokens cut from the texts, in a seeded random order, until
+    `max_tokens` are taken. The texts are tokenized in a random order too, and only until
+    they hold four times the budget: a big corpus costs what is drawn from it."""
     rng = np.random.default_rng(seed)
     pieces: list[list[int]] = []
     held = 0
@@ -168,7 +174,7 @@ def read_along(bundle: Path, texts: list[str], window: int, max_tokens: int, see
             break
         taken.append(piece[:budget])
         budget -= len(taken[-1])
-    return _read(target, taken, on_window)
+    return taken
 
 
 def _read(target, sequences: list[list[int]], on_read: Callable[[int], None]
