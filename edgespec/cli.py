@@ -235,12 +235,17 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
                    "(your documents, more conversations).")
 @click.option("--lr", default=1e-3, show_default=True, type=click.FloatRange(0, min_open=True),
               help="Peak learning rate (one warm-up-and-decay cycle over --steps).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="cuda: the float model answers and reads in batches on the GPU (its states "
+                   "stand in for the exported target's) and the head trains there.")
+@click.option("--gen-batch", default=64, show_default=True, type=click.IntRange(1),
+              help="Conversations the float model writes (and on a GPU reads) at once.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--threads", default=0, type=click.IntRange(0), help="PyTorch threads.")
 def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None, steps: int,
                 unroll: int, kept: int, max_new_tokens: int, greedy_only: bool,
                 texts: tuple[Path, ...], text_tokens: int, synthesize: int, init: Path | None,
-                lr: float, seed: int, threads: int) -> None:
+                lr: float, device: str, gen_batch: int, seed: int, threads: int) -> None:
     """Train an EAGLE draft head for TARGET (a .gguf file or checkpoint directory) from
     the target alone; `edgespec export TARGET --draft OUT` then speculates with it."""
     import tempfile
@@ -261,11 +266,16 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
         raise EdgespecError(f"{out}: a draft head is written as .npz; name it so.")
     if threads:
         torch.set_num_threads(threads)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EdgespecError("--device cuda needs PyTorch with CUDA and a GPU, and this one has "
+                            "none; leave --device out to train on the CPU.")
     if init is not None:  # a file that is no head is refused before any work
         kept = len(load_head(init).kept)  # the head's own tokens, as its card will say
     opts = TrainOptions(steps=steps, unroll=unroll, kept=kept, max_new_tokens=max_new_tokens,
                         sampled=not greedy_only, seed=seed, text_tokens=text_tokens,
-                        synthesize=synthesize, lr=lr, init=str(init) if init else None)
+                        synthesize=synthesize, lr=lr, init=str(init) if init else None,
+                        device=device, reader="float" if device == "cuda" else "exported",
+                        gen_batch=gen_batch)
     text = read_texts(list(texts)) if texts else None
     with tempfile.TemporaryDirectory(prefix="edgespec-source-") as scratch:
         source = open_source(target, Path(scratch))

@@ -471,6 +471,45 @@ def test_float_states_in_padded_batches_are_the_exported_targets(tiny, tmp_path)
         assert np.abs(got.astype(np.float32) - want.states.astype(np.float32)).max() < 1e-2
 
 
+def test_train_draft_on_a_gpu_learns_the_float_models_answers_and_states(
+        tiny, tmp_path, monkeypatch):
+    """What --device cuda runs (reader "float"), here on the CPU: the float model answers
+    the prompts in batches, greedy and sampled, and reads the text, and no bundle is
+    exported; the greedy answers are transformers' own greedy continuation of each prompt
+    alone, the states its last_hidden_state along them."""
+    import torch
+
+    from edgespec.export.source import open_source
+    from edgespec.tokenizer import Tokenizer
+    from edgespec.train.data import prompt_ids
+    from edgespec.train.trainer import TrainOptions, _load_joined, train_draft
+
+    path, model = tiny
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    prompts = ["def parse(text):", "import os\nimport sys", "x = [1, 2, 3]\nfor"]
+    opts = TrainOptions(steps=3, kept=256, max_new_tokens=8, reader="float", gen_batch=2,
+                        text_tokens=40)
+    head = train_draft(open_source(path, tmp_path / "src"), tmp_path / "h.npz",
+                       tmp_path / "work", prompts, opts,
+                       texts=["for i in range(10):\n    print(i)\n" * 6])
+    assert not (tmp_path / "cache").exists() and len(head.kept) == 256
+    tokens, states = _load_joined(tmp_path / "work" / "conversations.npz", "tokens", "states")
+    assert len(tokens) == 2 * len(prompts)  # greedy answers, then sampled ones
+    tokenizer = Tokenizer.from_dir(path)
+    for prompt, ids in zip(prompts, tokens[:3], strict=True):
+        alone = torch.tensor([prompt_ids(tokenizer, prompt)])  # as the CPU path reads it
+        with torch.no_grad():
+            want = model.generate(alone, attention_mask=torch.ones_like(alone),
+                                  do_sample=False, max_new_tokens=8, pad_token_id=0)[0]
+        assert ids.tolist() == want.tolist()
+    for ids, got in zip(tokens, states, strict=True):
+        with torch.no_grad():
+            want = model.model(torch.from_numpy(ids)[None]).last_hidden_state[0].numpy()
+        assert np.abs(got.astype(np.float32) - want).max() < 1e-2
+    text_tokens, _ = _load_joined(tmp_path / "work" / "text.npz", "tokens", "states")
+    assert sum(map(len, text_tokens)) == 40
+
+
 def test_read_along_gives_the_states_of_reading_each_window_alone(tiny, tmp_path):
     """--text: the target reads random windows of the texts until the token budget is
     spent; each window's states are transformers' last_hidden_state over that window."""
@@ -543,15 +582,14 @@ def test_an_interrupted_synthesis_resumes_where_it_stopped(tmp_path, monkeypatch
     from rich.console import Console
 
     from edgespec.export.source import open_source
-    from edgespec.tokenizer import Tokenizer
     from edgespec.train import data, trainer
     from tests.real_models import smollm2_gguf
 
     source = open_source(str(smollm2_gguf()), tmp_path / "src")
-    tokenizer = Tokenizer.from_dir(source.tokenizer_dir)
     opts = trainer.TrainOptions(synthesize=5, gen_batch=2, max_new_tokens=8)
+    target = trainer.FloatTarget(source, "cpu", opts.gen_batch)  # the writer, loaded once
     quiet = Console(quiet=True)
-    whole = trainer.self_written(source, tokenizer, opts, tmp_path / "whole", quiet)
+    whole = trainer.self_written(source, target, opts, tmp_path / "whole", quiet)
     assert len(whole) == 5
 
     answered, answers = data.answered, []
@@ -567,11 +605,11 @@ def test_an_interrupted_synthesis_resumes_where_it_stopped(tmp_path, monkeypatch
     monkeypatch.setattr(data, "answered", killed_after_one)
     work = tmp_path / "resumed"
     with pytest.raises(RuntimeError, match="killed"):
-        trainer.self_written(source, tokenizer, opts, work, quiet)
-    assert trainer.self_written(source, tokenizer, opts, work, quiet) == whole
+        trainer.self_written(source, target, opts, work, quiet)
+    assert trainer.self_written(source, target, opts, work, quiet) == whole
     assert answers == [5, 3]  # the second run answered the three left
     with pytest.raises(data.EdgespecError, match="holds 5 self-written requests"):
-        trainer.self_written(source, tokenizer, trainer.TrainOptions(synthesize=6), work,
+        trainer.self_written(source, target, trainer.TrainOptions(synthesize=6), work,
                              quiet)
 
 
@@ -613,6 +651,18 @@ def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_
                   "--text", str(bad), env=env)
         assert out.returncode != 0 and message in out.stderr
         assert "Traceback" not in out.stderr and not (tmp_path / "x.npz").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(),
+                    reason="the refusal is for a machine without a GPU")
+def test_train_draft_on_cuda_without_a_gpu_is_refused(tiny, tmp_path):
+    from tests.test_cli import run
+
+    path, _ = tiny
+    out = run("train-draft", str(path), "--out", str(tmp_path / "h.npz"), "--device", "cuda",
+              env={"EDGESPEC_CACHE": str(tmp_path / "cache")})
+    assert out.returncode != 0 and "needs PyTorch with CUDA" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "h.npz").exists()
 
 
 def test_train_draft_starts_from_a_trained_head_and_refuses_another_models(

@@ -87,7 +87,7 @@ def answer(model, tokenizer, eos, prompts: list[str], args, clock: Clock, until:
     for convs in batches:
         start = len(seqs)
         seqs += convs
-        prompt_lens += [len(tokenizer.encode_chat([{"role": "user", "content": p}]))
+        prompt_lens += [len(data.prompt_ids(tokenizer, p))
                         for p in prompts[start:start + len(convs)]]
         clock.say(f"{len(seqs)} conversations, {sum(map(len, seqs))} tokens")
         if clock.elapsed() > until:

@@ -88,6 +88,14 @@ def _target(bundle: Path, threads: int):
         path, m.target, providers, max_len=4096, threads=threads, shared=session)
 
 
+def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """A prompt as the target reads it: a user turn through its chat template, or plain
+    text for a base model."""
+    if tokenizer.chat_template:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
 def generate(bundle: Path, prompts: list[str], max_new_tokens: int, temperature: float,
              seed: int, threads: int, on_prompt: Callable[[], None]) -> list[Conversation]:
     """The bundle's target answers each prompt (AR); its states come with the tokens."""
@@ -99,8 +107,7 @@ def generate(bundle: Path, prompts: list[str], max_new_tokens: int, temperature:
     eos = set(m.eos_token_ids)
     out = []
     for prompt in prompts:
-        ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}])
-               if tokenizer.chat_template else tokenizer.encode(prompt))  # a base model
+        ids = prompt_ids(tokenizer, prompt)
         target.cache.reset()
         answer: list[int] = []
         for step in ar_decode(target, ids, params, rng, GenerationStats("ar")):
@@ -223,10 +230,11 @@ def check_chat(tokenizer: Tokenizer) -> None:
                             "base model writes no requests; give it --text instead.")
 
 
-def _continue(model, rows: list[list[int]], eos_ids: list[int], sample: bool,
-              limit: int) -> list[list[int]]:
-    """Continue each row (left-padded into one batch) until an end token, which a sampled
-    row must reach (a cut request is dropped: empty); a greedy one is cut at `limit`."""
+def _continue(model, rows: list[list[int]], eos_ids: list[int], temperature: float,
+              limit: int, drop_cut: bool = False) -> list[list[int]]:
+    """Continue each row (left-padded into one batch), greedy at temperature 0, until an
+    end token or `limit` tokens; with `drop_cut` a row that reached no end token is
+    dropped (empty)."""
     import torch
 
     stop = int(eos_ids[0])
@@ -235,14 +243,14 @@ def _continue(model, rows: list[list[int]], eos_ids: list[int], sample: bool,
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows],
                         device=model.device)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, do_sample=sample,
-                             temperature=1.0 if sample else None, top_p=None, top_k=None,
+        out = model.generate(ids, attention_mask=mask, do_sample=temperature > 0,
+                             temperature=temperature or None, top_p=None, top_k=None,
                              max_new_tokens=limit, eos_token_id=list(eos_ids),
                              pad_token_id=stop)
     written = []
     for row in out[:, width:].tolist():
         ends = [i for i, t in enumerate(row) if t in eos_ids]
-        written.append(row[:ends[0] + 1] if ends else [] if sample else row)
+        written.append(row[:ends[0] + 1] if ends else [] if drop_cut else row)
     return written
 
 
@@ -266,7 +274,8 @@ def self_requests(model, tokenizer: Tokenizer, eos_ids: list[int], n: int, seed:
     requests: dict[str, None] = {}
     while len(requests) < n:
         written = len(requests)
-        for request in _continue(model, [opening] * batch, eos_ids, True, max_request_tokens):
+        for request in _continue(model, [opening] * batch, eos_ids, 1.0, max_request_tokens,
+                                 drop_cut=True):
             text = tokenizer.decode(request[:-1]).strip()
             if text and len(requests) < n:
                 requests[text] = None
@@ -278,16 +287,17 @@ def self_requests(model, tokenizer: Tokenizer, eos_ids: list[int], n: int, seed:
 
 
 def answered(model, tokenizer: Tokenizer, eos_ids: list[int], requests: list[str],
-             max_new_tokens: int, batch: int) -> Iterator[list[list[int]]]:
-    """Each request through the chat template, then the model's greedy answer with its
-    end-of-turn token, as token ids; yielded a batch at a time, so a caller keeps what is
-    written. The head then learns the exported target's own states along the text
-    (read_sequences): only the text is the float model's, and the two agree on most
+             max_new_tokens: int, batch: int, temperature: float = 0.0
+             ) -> Iterator[list[list[int]]]:
+    """Each request as the target reads it (prompt_ids), then the model's answer (greedy,
+    or sampled at `temperature`) with its end-of-turn token, as token ids; yielded a
+    batch at a time, so a caller keeps what is written. The head then learns the
+    exported target's own states along the text (read_sequences), or on a GPU the float
+    model's (float_states): only the text is the float model's, and the two agree on most
     tokens (KL ~0.002 for SmolLM2's file)."""
     for start in range(0, len(requests), batch):
-        prompts = [tokenizer.encode_chat([{"role": "user", "content": t}])
-                   for t in requests[start:start + batch]]
-        yield [p + a for p, a in zip(prompts, _continue(model, prompts, eos_ids, False,
+        prompts = [prompt_ids(tokenizer, t) for t in requests[start:start + batch]]
+        yield [p + a for p, a in zip(prompts, _continue(model, prompts, eos_ids, temperature,
                                                         max_new_tokens), strict=True)]
 
 
