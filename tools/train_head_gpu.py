@@ -18,12 +18,17 @@ and report.json.
 
     python tools/train_head_gpu.py MODEL.gguf --out OUT --seconds 420 \\
         --init edgespec/assets/drafts/smollm2-135m-instruct.npz
+
+tools/draft_data/smollm2-135m-instruct/ holds what the runs behind SmolLM2's shipped head
+wrote (23,530 requests, 18,432 conversations' tokens): `--data` that folder, and a run
+spends its minutes training instead of writing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import math
 import sys
 import tempfile
@@ -204,25 +209,37 @@ def main() -> int:
 
     loaded = clock.elapsed()
     write_until = loaded + (args.seconds - loaded) * args.write_share
+    # conversations are kept as the requests answered, in order, then the built-in prompts'
     if args.data:  # an earlier run's requests and conversations, answered further
-        requests = json.loads((args.data / "requests.json").read_text())
+        packed = args.data / "requests.json.xz"  # as kept in the repository
+        requests = json.loads(lzma.decompress(packed.read_bytes()) if packed.is_file() else
+                              (args.data / "requests.json").read_text())
         with np.load(args.data / "conversations.npz") as z:
             seqs = [t.tolist() for t in np.split(z["tokens"].astype(np.int64),
                                                  np.cumsum(z["lengths"])[:-1])]
             prompt_lens = z["prompt_lengths"].tolist()
+            answered = int(z["requests_answered"]) if "requests_answered" in z else len(seqs)
+            held = z["heldout"].tolist() if "heldout" in z else None
     else:
         requests = write_requests(model, tokenizer, source.eos_ids, args, clock,
                                   loaded + 0.3 * (write_until - loaded))
-        seqs, prompt_lens = [], []
+        seqs, prompt_lens, answered, held = [], [], 0, None
     (args.out / "requests.json").write_text(json.dumps(requests, ensure_ascii=False))
-    given = len(seqs)  # the built-in prompts first if requests were answered before
-    todo = (data.builtin_prompts() + requests[given:] if given else
-            requests + data.builtin_prompts())
-    more, more_lens = answer(model, tokenizer, source.eos_ids, todo, args, clock, write_until)
-    seqs, prompt_lens = seqs + more, prompt_lens + more_lens
+    builtin = data.builtin_prompts() if len(seqs) == answered else []  # first: few, sure
+    more, more_lens = answer(model, tokenizer, source.eos_ids, builtin + requests[answered:],
+                             args, clock, write_until)
+    b = min(len(builtin), len(more))
+    seqs = seqs[:answered] + more[b:] + seqs[answered:] + more[:b]
+    prompt_lens = prompt_lens[:answered] + more_lens[b:] + prompt_lens[answered:] + more_lens[:b]
+    # held out: requests the head never trains on, the same ones run after run
+    held = held if held is not None else sorted(
+        np.random.default_rng(args.seed).permutation(answered or len(more) - b)[:args.heldout])
+    answered += len(more) - b
     lengths = np.array([len(s) for s in seqs])
     np.savez_compressed(args.out / "conversations.npz", lengths=lengths,
-                        prompt_lengths=prompt_lens, tokens=np.concatenate(seqs).astype(
+                        prompt_lengths=prompt_lens, requests_answered=answered,
+                        heldout=np.array(held, dtype=np.int64),
+                        tokens=np.concatenate(seqs).astype(
                             np.uint16 if spec.vocab_size <= 1 << 16 else np.uint32))
     states = list(data.float_states(model, seqs, 256))
     read = data.windows_of(tokenizer, data.read_texts(args.text), 257, args.text_tokens,
@@ -233,9 +250,6 @@ def main() -> int:
     clock.say(f"states of {len(seqs)} conversations and {len(texts)} text windows")
 
     rng = np.random.default_rng(args.seed)
-    # held out are requests (--init learnt the built-in prompts' answers), those of --data
-    # if given (a head trained on the rest of them is scored on what it never saw)
-    held = sorted(rng.permutation(given or min(len(requests), len(seqs)))[:args.heldout])
     train = [data.Conversation(np.asarray(seqs[i]), states[i])
              for i in sorted(set(range(len(seqs))) - set(held))] + texts
     held_seqs = [np.asarray(seqs[i]) for i in held]
