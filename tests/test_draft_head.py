@@ -452,6 +452,33 @@ def test_train_data_reads_the_states_a_head_is_trained_on(tiny, tmp_path):
     assert np.abs(target.features[:12] - states).max() < 1e-4
 
 
+def test_a_training_batch_pairs_each_state_with_the_tokens_and_states_after_it():
+    """batch_of, element by element: chain j of window i at unroll step k reads token
+    t[j + 1 + k] and is trained towards state s[j + 1 + k], where those exist; all else is
+    zero and marked invalid, and the input states are the window's but its last."""
+    import torch
+
+    from edgespec.train.trainer import batch_of
+
+    rng = np.random.default_rng(3)
+    items = [(rng.integers(0, 100, n), rng.standard_normal((n, 4)).astype(np.float16))
+             for n in (2, 9, 5)]
+    ids, states, targets, valid, mask = batch_of(items, 3)
+    assert ids.shape == (3, 3, 8) and targets.shape == (3, 3, 8, 4) and states.shape == (3, 8, 4)
+    for i, (t, s) in enumerate(items):
+        for j in range(8):
+            assert bool(mask[i, j]) == (j < len(t) - 1)
+            want = s[j].astype(np.float32) if j < len(t) - 1 else np.zeros(4, np.float32)
+            assert np.array_equal(states[i, j].numpy(), want)
+            for k in range(3):
+                there = j + 1 + k < len(t)
+                assert bool(valid[i, k, j]) == there
+                assert int(ids[i, k, j]) == (t[j + 1 + k] if there else 0)
+                assert np.array_equal(targets[i, k, j].numpy(), s[j + 1 + k].astype(np.float32)
+                                      if there else np.zeros(4, np.float32))
+    assert all(x.device == torch.device("cpu") for x in (ids, states, targets, valid, mask))
+
+
 def test_float_states_in_padded_batches_are_the_exported_targets(tiny, tmp_path):
     """On a GPU the head learns the float model's states, read in padded batches
     (data.float_states): each sequence's are the exported fp32 target's reading it alone,

@@ -147,7 +147,7 @@ def heldout_top1(head: EagleHead, kept: np.ndarray, seqs, states, prompt_lens, u
     for start in range(0, len(seqs), 64):
         items = [(np.asarray(t[:257]), s[:257]) for t, s in
                  zip(seqs[start:start + 64], states[start:start + 64], strict=True)]
-        ids, st, _, valid, mask = (x.to(device) for x in batch_of(items, unroll))
+        ids, st, _, valid, mask = batch_of(items, unroll, device)
         for k, predicted in enumerate(head.unrolled(ids, st, mask)):
             guess = kept_t[head.logits(predicted).argmax(-1)]  # [B, T]
             for i, (t, _) in enumerate(items):
@@ -284,7 +284,7 @@ def main() -> int:
     while clock.elapsed() < train_until:
         progress = (clock.elapsed() - train_from) / (train_until - train_from)
         pick = rng.choice(len(items), min(per_batch, len(items)), replace=False)
-        batch = tuple(x.to(args.device) for x in batch_of([items[i] for i in pick], 3))
+        batch = batch_of([items[i] for i in pick], 3, args.device)
         for t in trainees:
             t.step(batch, opts, progress)
         if clock.elapsed() - saved > 60:
