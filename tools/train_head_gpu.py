@@ -1,10 +1,11 @@
-"""Draft heads for a chat target trained on a GPU against the clock: what
-`edgespec train-draft` does on the CPU, with far more data.
+"""Draft heads for a chat target trained on a GPU against the clock, for a lent machine's
+few minutes: what `edgespec train-draft --device cuda` does, with a deadline instead of a
+step count, two heads compared on held-out conversations, and a run's data kept.
 
 A head is data-limited (SmolLM2's: 61% top-1 on its training answers, 30% on held-out
 ones), and on the CPU a target writes ~30 conversations a minute. On a GPU the float
 model writes requests (Magpie, data.self_requests) and greedy answers (data.answered) in
-batches of a thousand, reads its own states along them (data.float_states: the exported
+batches of 2,048, reads its own states along them (data.float_states: the exported
 graph runs on the CPU only), and heads train on those (trainer.head_loss) until the clock
 says stop. Two heads train side by side on the same batches: one from `--init` (a shipped
 head, its tokens and shape), one fresh (`--fresh-intermediate` wide, its tokens the most
