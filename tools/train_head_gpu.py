@@ -48,7 +48,7 @@ from edgespec.quant.vocab_trim import kept_tokens
 from edgespec.tokenizer import Tokenizer
 from edgespec.train import data
 from edgespec.train.model import EagleHead
-from edgespec.train.trainer import TrainOptions, batch_of, head_loss, windows
+from edgespec.train.trainer import TrainOptions, batch_of, head_loss, starting_head, windows
 
 
 class Clock:
@@ -105,14 +105,8 @@ class Trainee:
     def __init__(self, name: str, config: HeadConfig, kept: np.ndarray, embed, lm_head,
                  embed_scale, lr: float, device: str, start: DraftHead | None):
         self.name, self.config, self.kept, self.lr = name, config, kept, lr
-        self.head = EagleHead(config, embed, lm_head[torch.from_numpy(kept)], embed_scale)
-        if start is not None:
-            self.head.load_weights(start.weights)
-        else:
-            with torch.no_grad():  # the identity on the state half, as trainer.train_draft
-                self.head.fusion.weight.zero_()
-                self.head.fusion.weight[:, config.hidden_size:] = torch.eye(config.hidden_size)
-        self.head.to(device)
+        self.head = starting_head(config, embed, lm_head[torch.from_numpy(kept)], embed_scale,
+                                  start).to(device)
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=lr, weight_decay=0.0)
         self.steps, self.history = 0, []
 
@@ -269,10 +263,10 @@ def main() -> int:
     report = {"model": args.model.name, "requests": len(requests),
               "conversations": len(seqs), "tokens": int(lengths.sum()),
               "heldout": len(held), "write_seconds": round(clock.elapsed(), 1),
-              "before": heldout_top1(Trainee("before", start.config, start.kept, embed,
-                                             lm_head, spec.embed_scale, 0, args.device,
-                                             start).head, start.kept, held_seqs,
-                                     held_states, held_prompt, 3, args.device)}
+              "before": heldout_top1(starting_head(
+                  start.config, embed, lm_head[torch.from_numpy(start.kept)], spec.embed_scale,
+                  start).to(args.device), start.kept, held_seqs, held_states, held_prompt, 3,
+                  args.device)}
     clock.say(f"held-out top-1 of --init as shipped: {report['before']}")
     items = windows(train, opts.seq_len)
     per_batch = max(1, opts.batch_tokens // opts.seq_len)

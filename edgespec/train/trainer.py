@@ -320,6 +320,21 @@ def head_loss(head: EagleHead, batch: tuple[torch.Tensor, ...], opts: TrainOptio
     return torch.stack(losses).sum(), stats
 
 
+def starting_head(config: HeadConfig, embed: torch.Tensor, lm_head: torch.Tensor,
+                  embed_scale: float | None, start: DraftHead | None) -> EagleHead:
+    """A head to train (`lm_head`: the kept rows): `start`'s weights, or a fresh one whose
+    fusion begins as the identity on the state half (h' ≈ h), so it first drafts what the
+    target's own state says."""
+    head = EagleHead(config, embed, lm_head, embed_scale)
+    if start is not None:
+        head.load_weights(start.weights)
+    else:
+        with torch.no_grad():
+            head.fusion.weight.zero_()
+            head.fusion.weight[:, config.hidden_size:] = torch.eye(config.hidden_size)
+    return head
+
+
 def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None = None,
                 opts: TrainOptions | None = None, resume: bool = True,
                 console: Console | None = None,
@@ -354,15 +369,9 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
         counts = np.bincount(answers, minlength=spec.vocab_size)
         kept = kept_tokens(counts, min(opts.kept, spec.vocab_size), source.eos_ids)
         config = HeadConfig.for_target(spec, opts.intermediate_size or 2 * spec.hidden_size)
-    head = EagleHead(config, torch.from_numpy(as_float(embeddings)),
-                     torch.from_numpy(as_float(adapter.lm_head())[kept]), spec.embed_scale)
-    if start is not None:
-        head.load_weights(start.weights)
-    else:
-        with torch.no_grad():  # start as the identity on the state half: h' ≈ h
-            head.fusion.weight.zero_()
-            head.fusion.weight[:, config.hidden_size:] = torch.eye(config.hidden_size)
-    head.to(opts.device)
+    head = starting_head(config, torch.from_numpy(as_float(embeddings)),
+                         torch.from_numpy(as_float(adapter.lm_head())[kept]), spec.embed_scale,
+                         start).to(opts.device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, opts.lr, total_steps=opts.steps,
                                                    pct_start=0.05)
