@@ -153,3 +153,30 @@ def test_bench_prompts_are_held_out_from_draft_training_prompts():
     if folder.is_dir():
         texts += training_texts(folder)
     assert overlaps(load_set("real"), texts) == []
+
+
+def test_task_requests_are_held_out_from_the_bench():
+    """train.tasks writes requests of the bench's kinds from documents (here a corpus
+    holding a bench document beside a clean one): all it keeps is clear of the bench by
+    the oracle above, the clean document is summarized and asked about, and there are
+    requests to complete and to explain functions."""
+    from edgespec.train.tasks import task_requests
+
+    rag = next(p for p in load_set("real") if p["id"] == "rag-02")["messages"][0]["content"]
+    planted = rag[rag.index("Document 1:"):rag.index("Document 2:")]
+    clean = "Lighthouse keeping\n\n" + "\n\n".join(
+        f"Keeper {i} trimmed the wick at dusk, logged ship number {i * 7} and the wind, "
+        f"and climbed the {i + 90} steps twice before dawn to wind the clockwork." * 3
+        for i in range(12))
+    requests = task_requests(0, texts=[planted, clean])
+    # checked fifty at a time: a run across two requests can only add a finding
+    assert overlaps(load_set("real"), [(Path(f"requests {i}+"), "\n\n".join(requests[i:i + 50]))
+                                       for i in range(0, len(requests), 50)]) == []
+    assert not any(planted[40:200] in r for r in requests)
+    with_clean = [r for r in requests if "Keeper 3 trimmed the wick" in r]
+    assert any("summary" in r.lower() or "summarize" in r.lower() for r in with_clean)
+    assert any("Question: " in r and "Lighthouse keeping" in r for r in with_clean)
+    assert sum(r.startswith(("Finish this", "Implement", "Write the body", "Here is a"))
+               for r in requests) > 100
+    assert sum("```python\ndef " in r and "Explain" in r for r in requests) > 100
+    assert requests == task_requests(0, texts=[planted, clean])  # seeded

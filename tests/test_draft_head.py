@@ -600,6 +600,22 @@ def test_the_target_writes_requests_and_answers_them_greedily(tmp_path):
         chosen = logits[torch.arange(len(answer)), torch.tensor(answer)]
         assert (best - chosen).max() < 1e-3  # the greedy token, or a float tie with it
     assert len(requests) == 6
+    # bounded by positions (the KV cache a batch needs), batches hold what fits, in order
+    prompts = [data.prompt_ids(tokenizer, a) for a in asked]
+    budget = 2 * (max(map(len, prompts)) + 24) + 10
+    bounded = list(data.answered(model, tokenizer, source.eos_ids, asked, 24, 4,
+                                 max_tokens=budget))
+    flat = [c for b in bounded for c in b]
+    assert [c[:len(p)] for c, p in zip(flat, prompts, strict=True)] == prompts
+    start = 0
+    for b in bounded:
+        rows = prompts[start:start + len(b)]
+        assert len(rows) == 1 or len(rows) * (max(map(len, rows)) + 24) <= budget
+        if start + len(b) < len(prompts):  # the next request did not fit
+            longest = max(map(len, prompts[start:start + len(b) + 1]))
+            assert len(b) == 4 or (len(b) + 1) * (longest + 24) > budget
+        start += len(b)
+    assert 1 < len(bounded) <= 6
 
 
 def test_an_interrupted_synthesis_resumes_where_it_stopped(tmp_path, monkeypatch):

@@ -46,7 +46,7 @@ from edgespec.export.graph import as_float
 from edgespec.export.source import open_source
 from edgespec.quant.vocab_trim import kept_tokens
 from edgespec.tokenizer import Tokenizer
-from edgespec.train import data
+from edgespec.train import data, tasks
 from edgespec.train.model import EagleHead
 from edgespec.train.trainer import TrainOptions, batch_of, head_loss, starting_head, windows
 
@@ -89,7 +89,8 @@ def answer(model, tokenizer, eos, prompts: list[str], args, clock: Clock, until:
     seqs, prompt_lens = [], []
     if clock.elapsed() > until:
         return seqs, prompt_lens
-    batches = data.answered(model, tokenizer, eos, prompts, args.max_new_tokens, args.batch)
+    batches = data.answered(model, tokenizer, eos, prompts, args.max_new_tokens, args.batch,
+                            max_tokens=args.answer_tokens)
     for convs in batches:
         start = len(seqs)
         seqs += convs
@@ -172,6 +173,16 @@ def main() -> int:
     ap.add_argument("--text", type=Path, action="append",
                     help="text files or directories the float model reads too (repeatable)")
     ap.add_argument("--text-tokens", type=int, default=1_000_000)
+    ap.add_argument("--tasks", type=int, default=0,
+                    help="task requests (train.tasks: code, summaries, questions on "
+                         "documents, the --text corpus among them) answered too")
+    ap.add_argument("--task-tail", type=int, default=384,
+                    help="of a task conversation the head trains on its last tokens "
+                         "(the answer and the document's end), not the whole document")
+    ap.add_argument("--answer-tokens", type=int, default=600_000,
+                    help="rows times length at most in one answering batch (KV memory)")
+    ap.add_argument("--state-tokens", type=int, default=131_072,
+                    help="rows times length at most in one batch read for its states")
     ap.add_argument("--seconds", type=float, default=420, help="the whole run's budget")
     ap.add_argument("--write-share", type=float, default=0.5,
                     help="of the budget: writing requests and answers")
@@ -219,6 +230,12 @@ def main() -> int:
         requests = write_requests(model, tokenizer, source.eos_ids, args, clock,
                                   loaded + 0.3 * (write_until - loaded))
         seqs, prompt_lens, answered, held = [], [], 0, None
+    corpus = data.read_texts(args.text) if args.text else []
+    first_task = len(requests)  # requests from here on are tasks
+    if args.tasks:  # after the self-written ones, shortest first (less padding a batch)
+        known = set(requests)
+        written = [t for t in tasks.task_requests(args.seed, texts=corpus) if t not in known]
+        requests += sorted(written[:args.tasks], key=len)
     (args.out / "requests.json").write_text(json.dumps(requests, ensure_ascii=False))
     builtin = data.builtin_prompts() if len(seqs) == answered else []  # first: few, sure
     more, more_lens = answer(model, tokenizer, source.eos_ids, builtin + requests[answered:],
@@ -236,16 +253,19 @@ def main() -> int:
                         heldout=np.array(held, dtype=np.int64),
                         tokens=np.concatenate(seqs).astype(
                             np.uint16 if spec.vocab_size <= 1 << 16 else np.uint32))
-    states = list(data.float_states(model, seqs, 256))
-    read = data.windows_of(tokenizer, data.read_texts(args.text), 257, args.text_tokens,
+    states = list(data.float_states(model, seqs, 256, args.state_tokens))
+    read = data.windows_of(tokenizer, corpus, 257, args.text_tokens,
                            args.seed) if args.text else []
     texts = [data.Conversation(np.array(ids), s) for ids, s in
-             zip(read, data.float_states(model, read, 256), strict=True)]
+             zip(read, data.float_states(model, read, 256, args.state_tokens),
+                                strict=True)]
     del model
     clock.say(f"states of {len(seqs)} conversations and {len(texts)} text windows")
 
     rng = np.random.default_rng(args.seed)
     train = [data.Conversation(np.asarray(seqs[i]), states[i])
+             if not first_task <= i < answered else data.Conversation(
+                 np.asarray(seqs[i][-args.task_tail:]), states[i][-args.task_tail:])
              for i in sorted(set(range(len(seqs))) - set(held))] + texts
     held_seqs = [np.asarray(seqs[i]) for i in held]
     held_states = [states[i] for i in held]

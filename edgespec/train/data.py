@@ -287,30 +287,51 @@ def self_requests(model, tokenizer: Tokenizer, eos_ids: list[int], n: int, seed:
 
 
 def answered(model, tokenizer: Tokenizer, eos_ids: list[int], requests: list[str],
-             max_new_tokens: int, batch: int, temperature: float = 0.0
-             ) -> Iterator[list[list[int]]]:
+             max_new_tokens: int, batch: int, temperature: float = 0.0,
+             max_tokens: int | None = None) -> Iterator[list[list[int]]]:
     """Each request as the target reads it (prompt_ids), then the model's answer (greedy,
     or sampled at `temperature`) with its end-of-turn token, as token ids; yielded a
-    batch at a time, so a caller keeps what is written. The head then learns the
+    batch at a time, so a caller keeps what is written. A batch holds `batch` requests
+    at most, and with `max_tokens` as many as fit that many positions (rows times the
+    longest prompt plus the answer: the KV cache a batch needs). The head then learns the
     exported target's own states along the text (read_sequences), or on a GPU the float
     model's (float_states): only the text is the float model's, and the two agree on most
     tokens (KL ~0.002 for SmolLM2's file)."""
-    for start in range(0, len(requests), batch):
-        prompts = [prompt_ids(tokenizer, t) for t in requests[start:start + batch]]
-        yield [p + a for p, a in zip(prompts, _continue(model, prompts, eos_ids, temperature,
-                                                        max_new_tokens), strict=True)]
+    ids = [prompt_ids(tokenizer, t) for t in requests]
+    for start, end in _batches([len(i) + max_new_tokens for i in ids], batch, max_tokens):
+        rows = ids[start:end]
+        yield [p + a for p, a in zip(rows, _continue(model, rows, eos_ids, temperature,
+                                                     max_new_tokens), strict=True)]
 
 
-def float_states(model, sequences: list[list[int]], batch: int) -> Iterator[np.ndarray]:
+def _batches(lengths: list[int], batch: int, max_tokens: int | None
+             ) -> Iterator[tuple[int, int]]:
+    """Consecutive ranges of at most `batch` items whose padded size (items times the
+    longest) stays within `max_tokens` (a single item may exceed it)."""
+    start = 0
+    while start < len(lengths):
+        end, longest = start + 1, lengths[start]
+        while end < len(lengths) and end - start < batch:
+            wider = max(longest, lengths[end])
+            if max_tokens and (end + 1 - start) * wider > max_tokens:
+                break
+            end, longest = end + 1, wider
+        yield start, end
+        start = end
+
+
+def float_states(model, sequences: list[list[int]], batch: int,
+                 max_tokens: int | None = None) -> Iterator[np.ndarray]:
     """The float model's final-norm states along each sequence (float16 [T, d]), read
-    `batch` sequences at a time: on a GPU the states come this way, since the exported
+    `batch` sequences at a time (fewer where `max_tokens` bounds the padded batch, as
+    data.answered's): on a GPU the states come this way, since the exported
     graph runs there a sequence at a time on the CPU. They differ from the exported
     target's as its logits do (KL ~0.002 for SmolLM2's file), which a head trained with
     input noise does not notice."""
     import torch
 
-    for start in range(0, len(sequences), batch):
-        rows = sequences[start:start + batch]
+    for start, end in _batches(list(map(len, sequences)), batch, max_tokens):
+        rows = sequences[start:end]
         width = max(map(len, rows))
         ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=model.device)
         mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows],
