@@ -21,8 +21,9 @@ and report.json.
         --init edgespec/assets/drafts/smollm2-135m-instruct.npz
 
 tools/draft_data/smollm2-135m-instruct/ holds what the runs behind SmolLM2's shipped head
-wrote (23,530 requests, 18,432 conversations' tokens): `--data` that folder, and a run
-spends its minutes training instead of writing.
+wrote (23,530 requests, all answered, and the built-in prompts: 23,840 conversations'
+tokens; not the task requests, which --tasks writes again): `--data` that folder, and a
+run spends its minutes training instead of writing.
 """
 
 from __future__ import annotations
