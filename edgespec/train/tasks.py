@@ -20,7 +20,7 @@ import random
 import re
 import sysconfig
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from edgespec.bench_sets import load_set
@@ -116,7 +116,7 @@ def _subject(text: str) -> str | None:
     return first if heading and not first.endswith((".", ":", ",")) else None
 
 
-def task_requests(seed: int, limit: int | None = None, texts: list[str] = ()) -> list[str]:
+def task_requests(seed: int, limit: int | None = None, texts: Sequence[str] = ()) -> list[str]:
     """Requests of four kinds, shuffled (seeded): complete a documented standard-library
     function from its signature, explain one, summarize a documentation section, and
     answer a question from two to four sections; the documents are pydoc's topics, the
