@@ -177,6 +177,8 @@ def main() -> int:
     ap.add_argument("--tasks", type=int, default=0,
                     help="task requests (train.tasks: code, summaries, questions on "
                          "documents, the --text corpus among them) answered too")
+    ap.add_argument("--task-chars", type=int, default=8000,
+                    help="task requests longer than this many characters are left out")
     ap.add_argument("--task-tail", type=int, default=384,
                     help="of a task conversation the head trains on its last tokens "
                          "(the answer and the document's end), not the whole document")
@@ -233,10 +235,16 @@ def main() -> int:
         seqs, prompt_lens, answered, held = [], [], 0, None
     corpus = data.read_texts(args.text) if args.text else []
     first_task = len(requests)  # requests from here on are tasks
-    if args.tasks:  # after the self-written ones, shortest first (less padding a batch)
+    if args.tasks:  # after the self-written ones, in groups of like length (little
+        # padding a batch) in a shuffled order: a run out of time answers some of every
+        # length, so of every kind (shortest first, run 3 answered no question on
+        # documents, which are all long)
         known = set(requests)
-        written = [t for t in tasks.task_requests(args.seed, texts=corpus) if t not in known]
-        requests += sorted(written[:args.tasks], key=len)
+        written = sorted([t for t in tasks.task_requests(args.seed, texts=corpus)
+                          if t not in known and len(t) <= args.task_chars][:args.tasks], key=len)
+        groups = [written[i:i + 256] for i in range(0, len(written), 256)]
+        requests += [t for g in np.random.default_rng(args.seed).permutation(
+            len(groups)) for t in groups[g]]
     (args.out / "requests.json").write_text(json.dumps(requests, ensure_ascii=False))
     builtin = data.builtin_prompts() if len(seqs) == answered else []  # first: few, sure
     more, more_lens = answer(model, tokenizer, source.eos_ids, builtin + requests[answered:],
