@@ -229,6 +229,12 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
 @click.option("--synthesize", default=0, show_default=True, type=click.IntRange(0),
               help="Conversations the target writes itself, request and answer (a chat "
                    "model; in float, in batches), and then reads.")
+@click.option("--tasks", default=0, show_default=True, type=click.IntRange(0),
+              help="Task requests the target answers too: complete or explain a "
+                   "standard-library function, summarize or answer from documentation "
+                   "(Python's own, and --text), none overlapping the benchmark prompts.")
+@click.option("--task-chars", default=8000, show_default=True, type=click.IntRange(100),
+              help="Leave out task requests longer than this many characters.")
 @click.option("--init", type=click.Path(path_type=Path, dir_okay=False),
               help="A trained head for this target (.npz) to start from: its shape, tokens "
                    "(--kept is then its own) and weights, trained further on this run's data "
@@ -244,7 +250,8 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
 @click.option("--threads", default=0, type=click.IntRange(0), help="PyTorch threads.")
 def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None, steps: int,
                 unroll: int, kept: int, max_new_tokens: int, greedy_only: bool,
-                texts: tuple[Path, ...], text_tokens: int, synthesize: int, init: Path | None,
+                texts: tuple[Path, ...], text_tokens: int, synthesize: int, tasks: int,
+                task_chars: int, init: Path | None,
                 lr: float, device: str, gen_batch: int, seed: int, threads: int) -> None:
     """Train an EAGLE draft head for TARGET (a .gguf file or checkpoint directory) from
     the target alone; `edgespec export TARGET --draft OUT` then speculates with it."""
@@ -273,7 +280,8 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
         kept = len(load_head(init).kept)  # the head's own tokens, as its card will say
     opts = TrainOptions(steps=steps, unroll=unroll, kept=kept, max_new_tokens=max_new_tokens,
                         sampled=not greedy_only, seed=seed, text_tokens=text_tokens,
-                        synthesize=synthesize, lr=lr, init=str(init) if init else None,
+                        synthesize=synthesize, tasks=tasks, task_chars=task_chars, lr=lr,
+                        init=str(init) if init else None,
                         device=device, reader="float" if device == "cuda" else "exported",
                         gen_batch=gen_batch)
     text = read_texts(list(texts)) if texts else None

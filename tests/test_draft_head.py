@@ -537,6 +537,53 @@ def test_train_draft_on_a_gpu_learns_the_float_models_answers_and_states(
     assert sum(map(len, text_tokens)) == 40
 
 
+def test_train_draft_answers_task_requests_and_learns_their_tails(tmp_path, demo_target,
+                                                                  monkeypatch):
+    """--tasks: the target answers task requests (train.tasks) after the prompts, each
+    conversation the request as the target reads it and then its answer, and the head
+    learns a task conversation's last --task-tail tokens only. A work directory holding
+    the answers to another set of prompts is refused, before any training."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from edgespec.errors import EdgespecError
+    from edgespec.export.source import open_source
+    from edgespec.tokenizer import Tokenizer
+    from edgespec.train.data import prompt_ids
+    from edgespec.train.tasks import task_requests
+    from edgespec.train.trainer import TrainOptions, _load_joined, train_draft
+
+    torch.manual_seed(0)  # room for a task's documents: 2,048 positions
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=2048, tie_word_embeddings=True)
+    path = tmp_path / "model"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_target / f, path / f)
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    opts = TrainOptions(steps=2, kept=256, max_new_tokens=8, reader="float", gen_batch=4,
+                        sampled=False, tasks=3, task_chars=1500, task_tail=40)
+    source = open_source(path, tmp_path / "src")
+    head = train_draft(source, tmp_path / "h.npz", tmp_path / "work", ["def parse(text):"],
+                       opts)
+    tokens, _ = _load_joined(tmp_path / "work" / "conversations.npz", "tokens", "states")
+    tokenizer = Tokenizer.from_dir(path)
+    asked = task_requests(0, 3, max_chars=1500)
+    assert len(asked) == 3 and all(len(a) <= 1500 for a in asked)
+    assert len(tokens) == 4
+    for ids, request in zip(tokens[1:], asked, strict=True):
+        prompt = prompt_ids(tokenizer, request)
+        assert ids[:len(prompt)].tolist() == prompt and len(ids) > 40
+    assert head.card["tasks"] == 3  # the prompt's answer whole, the tasks' last 40 tokens
+    assert head.card["tokens"] == len(tokens[0]) + 3 * 40
+    with pytest.raises(EdgespecError, match="holds the answers to other prompts"):
+        train_draft(source, tmp_path / "h2.npz", tmp_path / "work", ["def parse(text):"],
+                    TrainOptions(**{**vars(opts), "tasks": 2}))
+
+
 def test_read_along_gives_the_states_of_reading_each_window_alone(tiny, tmp_path):
     """--text: the target reads random windows of the texts until the token budget is
     spent; each window's states are transformers' last_hidden_state over that window."""

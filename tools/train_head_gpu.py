@@ -240,8 +240,9 @@ def main() -> int:
         # length, so of every kind (shortest first, run 3 answered no question on
         # documents, which are all long)
         known = set(requests)
-        written = sorted([t for t in tasks.task_requests(args.seed, texts=corpus)
-                          if t not in known and len(t) <= args.task_chars][:args.tasks], key=len)
+        written = sorted([t for t in tasks.task_requests(args.seed, texts=corpus,
+                                                         max_chars=args.task_chars)
+                          if t not in known][:args.tasks], key=len)
         groups = [written[i:i + 256] for i in range(0, len(written), 256)]
         requests += [t for g in np.random.default_rng(args.seed).permutation(
             len(groups)) for t in groups[g]]

@@ -116,12 +116,13 @@ def _subject(text: str) -> str | None:
     return first if heading and not first.endswith((".", ":", ",")) else None
 
 
-def task_requests(seed: int, limit: int | None = None, texts: Sequence[str] = ()) -> list[str]:
+def task_requests(seed: int, limit: int | None = None, texts: Sequence[str] = (),
+                  max_chars: int | None = None) -> list[str]:
     """Requests of four kinds, shuffled (seeded): complete a documented standard-library
     function from its signature, explain one, summarize a documentation section, and
     answer a question from two to four sections; the documents are pydoc's topics, the
     standard library's module docstrings and `texts` (a corpus: data.read_texts). None
-    overlaps a benchmark prompt (clear_of_bench)."""
+    overlaps a benchmark prompt (clear_of_bench), none is longer than `max_chars`."""
     from pydoc_data.topics import topics
 
     rng = random.Random(seed)
@@ -145,6 +146,7 @@ def task_requests(seed: int, limit: int | None = None, texts: Sequence[str] = ()
             f"Document {i + 1}:\n{s}" for i, (_, s) in enumerate(picked))
             + "\n\nQuestion: " + rng.choice(QUESTIONS).format(subject))
     clear = clear_of_bench()
-    kept = list(dict.fromkeys(r for r in requests if clear(r)))
+    kept = list(dict.fromkeys(r for r in requests
+                              if (max_chars is None or len(r) <= max_chars) and clear(r)))
     rng.shuffle(kept)
     return kept[:limit]

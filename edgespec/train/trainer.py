@@ -46,6 +46,7 @@ from edgespec.quant.vocab_trim import kept_tokens
 from edgespec.tokenizer import Tokenizer
 from edgespec.train import data
 from edgespec.train.model import EagleHead
+from edgespec.train.tasks import task_requests
 
 
 @dataclass
@@ -66,6 +67,9 @@ class TrainOptions:
     gen_batch: int = 64  # conversations the float model writes at once (synthesize)
     text_tokens: int = 150_000  # most tokens of --text the target reads
     synthesize: int = 0  # conversations the target writes itself (data.self_requests)
+    tasks: int = 0  # task requests the target answers too (train.tasks)
+    task_chars: int = 8000  # longer task requests are left out
+    task_tail: int = 384  # a task conversation trains on its last tokens (the answer)
     init: str | None = None  # a trained head to start from (its shape, tokens, weights)
     device: str = "cpu"  # where the head trains and, with reader "float", the model runs
     reader: str = "exported"  # whose states: "exported" (the bundle's target) or "float"
@@ -194,6 +198,16 @@ def conversations(target: Target, prompts: list[str], opts: TrainOptions, work: 
         return convs
 
     return _cached(work / "conversations.npz", "conversations", console, answer)
+
+
+def tails(convs: list[data.Conversation], prompts: int, tasks: int, keep: int
+          ) -> list[data.Conversation]:
+    """Each task conversation cut to its last `keep` tokens: a head learns the answer and
+    the document's end, not whole documents (conversations come a block per temperature,
+    each block the prompts' answers, then the tasks')."""
+    block = prompts + tasks
+    return [c if i % block < prompts else data.Conversation(c.tokens[-keep:], c.states[-keep:])
+            for i, c in enumerate(convs)]
 
 
 def read_text(target: Target, texts: list[str], opts: TrainOptions, work: Path,
@@ -353,11 +367,18 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     if start is not None:  # before any work: a head for another model is refused
         check_fits(start, spec, embeddings, Path(opts.init))
     prompts = prompts or data.builtin_prompts()
+    asked = task_requests(opts.seed, opts.tasks, texts or (), opts.task_chars) \
+        if opts.tasks else []
     target = (FloatTarget(source, opts.device, opts.gen_batch) if opts.reader == "float"
               else ExportedTarget(source, console))
     if opts.synthesize:
         data.check_chat(target.tokenizer)
-    convs = conversations(target, prompts, opts, work, console)
+    convs = conversations(target, prompts + asked, opts, work, console)
+    if len(convs) != (len(prompts) + len(asked)) * (1 + opts.sampled):
+        raise EdgespecError(f"{work} holds the answers to other prompts ({len(convs)} "
+                            "conversations); pass the same prompts and --tasks as before, or "
+                            "another --work directory to start afresh.")
+    convs = tails(convs, len(prompts), len(asked), opts.task_tail)
     read = read_text(target, texts, opts, work, console) if texts else []
     written = synthesized(source, target, opts, work, console) if opts.synthesize else []
     convs = convs + read + written
@@ -414,7 +435,7 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
                 tmp.replace(checkpoint)
     recent = np.mean(history[-50:], axis=0)
     card = {
-        "target": Path(source.name).name, "prompts": len(prompts),
+        "target": Path(source.name).name, "prompts": len(prompts), "tasks": len(asked),
         "conversations": len(convs) - len(read) - len(written), "tokens": int(len(answers)),
         "self_written": {"conversations": len(written),
                          "tokens": int(sum(len(c.tokens) for c in written))},
