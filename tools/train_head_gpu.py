@@ -273,10 +273,12 @@ def main() -> int:
     clock.say(f"states of {len(seqs)} conversations and {len(texts)} text windows")
 
     rng = np.random.default_rng(args.seed)
-    train = [data.Conversation(np.asarray(seqs[i]), states[i])
-             if not first_task <= i < answered else data.Conversation(
-                 np.asarray(seqs[i][-args.task_tail:]), states[i][-args.task_tail:])
-             for i in sorted(set(range(len(seqs))) - set(held))] + texts
+
+    def conversation(i: int) -> data.Conversation:  # a task's: its tail only
+        c = data.Conversation(np.asarray(seqs[i]), states[i])
+        return c.last(args.task_tail) if first_task <= i < answered else c
+
+    train = [conversation(i) for i in sorted(set(range(len(seqs))) - set(held))] + texts
     held_seqs = [np.asarray(seqs[i]) for i in held]
     held_states = [states[i] for i in held]
     held_prompt = [prompt_lens[i] for i in held]

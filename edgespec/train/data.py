@@ -52,6 +52,10 @@ class Conversation:
     tokens: np.ndarray  # int64 [T]: prompt (through the chat template) and answer
     states: np.ndarray  # float16 [T, d]: the target's final-norm state after each token
 
+    def last(self, n: int) -> Conversation:
+        """Its last `n` tokens and their states."""
+        return Conversation(self.tokens[-n:], self.states[-n:])
+
 
 def with_hidden_output(path: Path) -> bytes:
     """The target graph at `path` with its final-norm states as output `hidden`: those of

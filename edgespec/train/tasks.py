@@ -50,28 +50,35 @@ def _words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
 
-def _runs(text: str, n: int) -> set[tuple[str, ...]]:
-    w = _words(text)
-    return {tuple(w[i:i + n]) for i in range(len(w) - n + 1)}
+def _runs(words: list[str], n: int) -> set[tuple[str, ...]]:
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 
 def clear_of_bench() -> Callable[[str], bool]:
     """Whether a text shares no 13-word run with a benchmark prompt, nor a 6-word run with
     a short one (under 40 words): the held-out rule of tests/test_bench_prompts.py."""
-    turns = [m["content"] for p in load_set("real") for m in p.get("messages", [])]
+    turns = [_words(m["content"]) for p in load_set("real") for m in p.get("messages", [])]
     long_runs = set().union(*(_runs(t, RUN) for t in turns))
-    short_runs = set().union(*(_runs(t, SHORT_RUN) for t in turns
-                               if len(_words(t)) < SHORT))
-    return lambda text: not (_runs(text, RUN) & long_runs or _runs(text, SHORT_RUN) & short_runs)
+    short_runs = set().union(*(_runs(t, SHORT_RUN) for t in turns if len(t) < SHORT))
+
+    def clear(text: str) -> bool:
+        words = _words(text)
+        return not (_runs(words, RUN) & long_runs or _runs(words, SHORT_RUN) & short_runs)
+
+    return clear
 
 
-def _functions(path: Path) -> list[tuple[str, str]]:
-    """(signature + docstring, whole source) of each documented function of 6-40 lines."""
+def _module(path: Path) -> tuple[str, ast.Module] | None:
+    """A standard-library file's source and syntax tree (None where it does not parse)."""
     try:
         source = path.read_text(encoding="utf-8")
-        tree = ast.parse(source)
+        return source, ast.parse(source)
     except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
-        return []
+        return None
+
+
+def _functions(source: str, tree: ast.Module) -> list[tuple[str, str]]:
+    """(signature + docstring, whole source) of each documented function of 6-40 lines."""
     lines = source.splitlines()
     found = []
     for node in ast.walk(tree):
@@ -82,13 +89,6 @@ def _functions(path: Path) -> list[tuple[str, str]]:
             whole = textwrap.dedent("\n".join(lines[node.lineno - 1:node.end_lineno]))
             found.append((head.rstrip(), whole.rstrip()))
     return found
-
-
-def _docstring(path: Path) -> str | None:
-    try:
-        return ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
-    except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
-        return None
 
 
 def _sections(text: str, low: int, high: int) -> list[str]:
@@ -127,9 +127,10 @@ def task_requests(seed: int, limit: int | None = None, texts: Sequence[str] = ()
 
     rng = random.Random(seed)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    functions = [f for path in sorted(stdlib.glob("*.py")) for f in _functions(path)]
+    modules = [m for path in sorted(stdlib.glob("*.py")) if (m := _module(path))]
+    functions = [f for source, tree in modules for f in _functions(source, tree)]
     documents = [text for _, text in sorted(topics.items())] + list(texts)
-    documents += [doc for path in sorted(stdlib.glob("*.py")) if (doc := _docstring(path))]
+    documents += [doc for _, tree in modules if (doc := ast.get_docstring(tree))]
     sections = [(_subject(s), s) for text in documents for s in _sections(text, 600, 4000)]
     requests = [f"{rng.choice(COMPLETE)}\n\n{_code(head)}" for head, _ in functions]
     requests += [f"{rng.choice(EXPLAIN)}\n\n{_code(whole)}" for _, whole in functions

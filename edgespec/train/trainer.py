@@ -206,8 +206,7 @@ def tails(convs: list[data.Conversation], prompts: int, tasks: int, keep: int
     the document's end, not whole documents (conversations come a block per temperature,
     each block the prompts' answers, then the tasks')."""
     block = prompts + tasks
-    return [c if i % block < prompts else data.Conversation(c.tokens[-keep:], c.states[-keep:])
-            for i, c in enumerate(convs)]
+    return [c if i % block < prompts else c.last(keep) for i, c in enumerate(convs)]
 
 
 def read_text(target: Target, texts: list[str], opts: TrainOptions, work: Path,
