@@ -817,6 +817,20 @@ def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):
             assert four.stats.drafted > 2 * (four.stats.target_passes - 1)
 
 
+
+def test_vocab_trim_refuses_a_head_bundle_and_leaves_it_whole(tiny, trained, tmp_path):
+    """A head shares the target's data file; re-trimming it once deleted that file."""
+    from edgespec.bundle import sha256
+    from edgespec.export import export
+    from tests.test_cli import assert_user_error, run
+
+    export(tiny[0], tmp_path / "b", draft=trained)
+    before = {p.name: sha256(p) for p in (tmp_path / "b").iterdir()}
+    assert_user_error(run("vocab-trim", str(tmp_path / "b"), "--k", "100"),
+                      "is a head", "train-draft --kept K")
+    assert {p.name: sha256(p) for p in (tmp_path / "b").iterdir()} == before
+    drafts_and_equals_ar(tmp_path / "b")
+
 def drafts_and_equals_ar(bundle: Path) -> None:
     """The bundle's default mode drafts, and its greedy output is greedy AR's."""
     import edgespec

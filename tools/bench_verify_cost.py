@@ -5,7 +5,9 @@ The bound on speculation: a chain pass costs γ draft steps plus one target pass
 E · t(1) / (γ · d(1) + t(γ + 1)). Median over repeats, after 50 tokens of context (or
 `--context`: at the 2,000-5,000 tokens of RAG and summary prompts attention reads more
 than the weights, and its cost grows with S). Several
-bundles are measured in interleaved rounds (this machine drifts); each figure is the
+bundles (or .gguf files: their default export) are measured in interleaved rounds (this
+machine drifts), on the one thread pool every session shares, as the command line runs
+them (a one-token step gains most from its spinning workers); each figure is the
 median over rounds, with the range, and every S is also given as a ratio to S=1: the
 median of the ratios taken within each round (`x_one`) and the ratio of the medians
 (`x_medians`); where the two disagree the machine drifted during the run: rerun it.
@@ -19,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 
 import edgespec
+from edgespec.model_cache import resolve_model
+from edgespec.runtimes import pool
 
 
 def pass_ms(model, s: int, repeats: int, context: int) -> float:
@@ -47,16 +50,19 @@ def pass_ms(model, s: int, repeats: int, context: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, nargs="*", default=[None])
+    ap.add_argument("--model", nargs="*", default=[None], help="bundles or .gguf files")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 5, 8, 16, 32])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=60)
     ap.add_argument("--context", type=int, default=50, help="tokens cached before each pass")
+    ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     if a.context < 1:
         raise SystemExit("--context must be at least 1.")
     sizes = sorted(set([1, *a.tokens]))
-    engines = {str(m or "demo"): edgespec.load(m, device="cpu") for m in a.model}
+    pool.share_threads()
+    engines = {str(m or "demo"): edgespec.load(resolve_model(m), device="cpu",
+                                               threads=a.threads) for m in a.model}
     models = {(name, role): model for name, e in engines.items()
               for role, model in (("target", e.target), ("draft", e.draft)) if model}
     ms: dict[tuple[str, str], dict[int, list[float]]] = {k: {s: [] for s in sizes}

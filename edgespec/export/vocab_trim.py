@@ -184,6 +184,10 @@ def retrim_bundle(bundle: Path, k: int, source: str = "target",
     if m.draft.nested:
         raise EdgespecError(f"{bundle}'s draft is nested in the target's graph; re-export "
                             "with --draft nested --vocab-trim K to trim its head.")
+    if m.draft.kind == "eagle":
+        raise EdgespecError(f"{bundle}'s draft is a head, which keeps the tokens it was "
+                            "trained on; train one with `edgespec train-draft --kept K` "
+                            "to draft among fewer.")
     current = (np.load(bundle / m.vocab_map) if m.vocab_map
                else np.arange(m.draft.vocab_size))
     if k >= len(current):
@@ -200,8 +204,9 @@ def retrim_bundle(bundle: Path, k: int, source: str = "target",
     draft = onnx.load(bundle / m.draft.graph)
     _slice_head(draft, rows)
     with write_bundle(bundle, overwrite=True) as (tmp, finish):
+        rewritten = {m.draft.graph, m.draft.data_files[0], m.vocab_map}
         for name in m.files:
-            if name not in (m.draft.graph, *m.draft.data_files, m.vocab_map):
+            if name not in rewritten:
                 shutil.copy2(bundle / name, tmp / name)
         onnx.save_model(draft, tmp / m.draft.graph, save_as_external_data=True,
                         all_tensors_to_one_file=True, location=m.draft.data_files[0],
