@@ -344,6 +344,7 @@ def generate(prompt: str | None, model: str | None, max_new_tokens: int, tempera
              as_chat: bool, as_json: bool) -> None:
     """Continue PROMPT (or stdin) with the model, or answer it (--chat)."""
     from edgespec.engine import GenerationConfig
+    from edgespec.tokenizer import NO_TEMPLATE
 
     if prompt is None:
         if sys.stdin.isatty():
@@ -359,6 +360,8 @@ def generate(prompt: str | None, model: str | None, max_new_tokens: int, tempera
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
                               adaptive=adaptive, stop_rule=stop_rule)
     config.validate(engine.draft is not None)
+    if as_chat and not engine.tokenizer.chat_template:
+        raise EdgespecError(f"{NO_TEMPLATE}; leave out --chat to have it continue the prompt.")
     # a prompt that cannot run is refused before it is echoed
     ids = engine.encode_prompt(engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
                                if as_chat else prompt)
@@ -416,8 +419,12 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
     import signal
 
     from edgespec.engine import MODES, GenerationConfig
+    from edgespec.tokenizer import NO_TEMPLATE
 
     engine = open_model(model, runtime)
+    if not engine.tokenizer.chat_template:
+        raise EdgespecError(f"{NO_TEMPLATE}, so it cannot chat; have it continue a text with "
+                            "edgespec generate PROMPT instead.")
     mode = mode or engine.default_mode
     history: list[dict[str, str]] = []
     settings = {"mode": mode, "temperature": temperature, "statsline": not no_stats}
@@ -504,11 +511,13 @@ def serve(model: str | None, host: str, port: int, api_key: str | None,
     import ipaddress
 
     from edgespec.http_guard import check_api_key
+    from edgespec.server import listen
     from edgespec.server import serve as run_server
 
     if api_key is None and os.environ.get("EDGESPEC_API_KEY") == "":
         api_key = ""  # set but empty: refused below rather than silently keyless
     check_api_key(api_key)
+    sock = listen(host, port)
     source = click.get_current_context().get_parameter_source("api_key")
     if api_key is not None and source == click.core.ParameterSource.COMMANDLINE:
         err.print("[yellow]note:[/yellow] --api-key on the command line is visible to "
@@ -525,7 +534,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None,
     model_id = Path(model).name if model else "edgespec-demo"
     err.print(f"serving {model_id} on http://{host}:{port}/ (chat page) and /v1 "
               f"({engine.devices})")
-    run_server(engine, model_id, host, port, api_key, allowed_hosts)
+    run_server(engine, model_id, sock, api_key, allowed_hosts)
 
 
 @cli.command()

@@ -17,8 +17,10 @@ whether it repeats that prompt entirely.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -38,6 +40,7 @@ from edgespec.errors import EdgespecError
 from edgespec.http_guard import MAX_BODY, Guard
 from edgespec.openai_schema import ChatRequest, CompletionRequest, Sampling, UnsupportedError
 from edgespec.spec.logprobs import TokenLogprob
+from edgespec.tokenizer import NO_TEMPLATE
 
 log = logging.getLogger("edgespec.server")
 WEB = Path(str(files("edgespec") / "web"))
@@ -360,6 +363,9 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         checked(req)
+        if not engine.tokenizer.chat_template:
+            raise ApiError(400, f"{NO_TEMPLATE}; send it a plain prompt to continue at "
+                           "/v1/completions instead.", param="messages")
         conversation = req.conversation()
         ids = await tokenize(lambda: engine.tokenizer.encode_chat(conversation), "messages")
         return await respond(request, req, ids, chat=True)
@@ -374,9 +380,35 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     return Guard(app, api_key, allowed_hosts, max_body)
 
 
-def serve(engine: Engine, model_id: str, host: str, port: int, api_key: str | None = None,
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads: a port in use or a host that is
+    not this machine's is the user's error, said in one sentence before any work."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror:
+        raise EdgespecError(f"cannot listen on '{host}': it is no address or known host name; "
+                            "use 127.0.0.1 (this machine only) or 0.0.0.0 (every "
+                            "interface).") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise EdgespecError(f"port {port} on {host} is in use; choose another --port.") \
+                from None
+        raise EdgespecError(f"cannot listen on {host}:{port} ({e.strerror}); use an address "
+                            "of this machine and a port above 1023.") from None
+    return sock
+
+
+def serve(engine: Engine, model_id: str, sock: socket.socket, api_key: str | None = None,
           allowed_hosts: tuple[str, ...] = ()) -> None:
+    """Serve on `sock` (listen()) until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_id, api_key, allowed_hosts=allowed_hosts),
-                host=host, port=port, log_level="info", server_header=False)
+    app = create_app(engine, model_id, api_key, allowed_hosts=allowed_hosts)
+    uvicorn.Server(uvicorn.Config(app, log_level="info", server_header=False)).run(
+        sockets=[sock])

@@ -21,6 +21,8 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from edgespec.errors import EdgespecError
 
+NO_TEMPLATE = "this model has no chat template (a base model, not a chat one)"
+
 
 def _token_text(value: Any) -> str | None:
     """tokenizer_config stores special tokens as strings or as AddedToken dicts."""
@@ -161,9 +163,7 @@ class Tokenizer:
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Render a conversation to the prompt text the model was trained on."""
         if not self.chat_template:
-            raise EdgespecError("this model has no chat template (a base model, not a chat "
-                                "one); give it a plain prompt to continue instead (edgespec "
-                                "generate without --chat).")
+            raise EdgespecError(NO_TEMPLATE + "; give it a plain prompt to continue instead.")
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,

@@ -250,3 +250,49 @@ def test_chat_ctrl_d_after_text_leaves():
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0 and "tok/s" not in child.before
+
+
+@pytest.fixture
+def base_model(bundle_copy):
+    """The demo bundle as a base model's is: no chat template."""
+    config = json.loads((bundle_copy / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (bundle_copy / "tokenizer_config.json").write_text(json.dumps(config))
+    _rehash(bundle_copy, "tokenizer_config.json")
+    return bundle_copy
+
+
+def test_a_base_model_is_refused_by_chat_and_chat_prompts(base_model):
+    assert_user_error(run("chat", "--model", str(base_model), stdin="Hi\n"),
+                      "no chat template", "edgespec generate PROMPT")
+    assert_user_error(run("generate", "Hi", "--chat", "--model", str(base_model)),
+                      "no chat template", "leave out --chat")
+    plain = run("generate", "def main(", "--model", str(base_model), "--max-new-tokens", "8")
+    assert plain.returncode == 0 and plain.stdout.startswith("def main("), plain.stderr
+
+
+def test_the_server_sends_a_base_models_chats_to_completions(base_model):
+    import edgespec
+    from edgespec.server import create_app
+    from tests.http_server import running
+
+    with edgespec.load(base_model) as engine, running(create_app(engine, "base")) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "base", "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": "base", "prompt": "def main(", "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"]
+
+
+def test_serve_refuses_a_busy_port_or_a_foreign_host_before_loading(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        assert_user_error(run("serve", "--port", port, "--model", str(tmp_path / "nothing")),
+                          f"port {port} on 127.0.0.1 is in use", "--port")
+    assert_user_error(run("serve", "--host", "999.1.1.1", "--port", port),
+                      "cannot listen on '999.1.1.1'")
