@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -399,7 +400,7 @@ def _read_line(prompt: str) -> str | None:
 
 CHAT_HELP = ("commands: /reset (new conversation), /stats (last answer's numbers), "
              "/mode ar|spec|lookup, /temp T, /statsline (toggle the line after answers), "
-             "/exit; Ctrl-C stops an answer, Ctrl-D leaves")
+             "/exit or /quit; Ctrl-C stops an answer, Ctrl-D leaves")
 
 
 @cli.command()
@@ -415,6 +416,12 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
 
     Each turn re-renders the conversation, and the engine reuses the KV cache of
     everything the previous turns already fed, so only the new text is prefilled.
+
+    \b
+    In the chat: /reset starts a new conversation, /stats shows the last answer's
+    numbers, /mode ar|spec|lookup and /temp T change how answers are drawn, /statsline
+    toggles the line after each answer, /exit or /quit (or Ctrl-D) leaves; Ctrl-C stops
+    an answer.
     """
     import signal
 
@@ -440,29 +447,37 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
             click.echo()
             return
         command, _, arg = line.strip().partition(" ")
-        if command == "/exit":
+        if command in ("/exit", "/quit"):
             return
         if command == "/reset":
             history.clear()
             engine.reset()
+            err.print("[dim]new conversation.[/dim]")
             continue
         if command == "/stats":
             err.print(escape(json.dumps(last, indent=1)) if last else "no answer yet.")
             continue
         if command == "/statsline":
             settings["statsline"] = not settings["statsline"]
+            err.print(f"[dim]stats line {'on' if settings['statsline'] else 'off'}.[/dim]")
             continue
         if command == "/mode":
             if arg not in MODES or (arg == "spec" and engine.draft is None):
                 err.print(f"modes: {', '.join(MODES)} (spec needs a draft).")
             else:
                 settings["mode"] = arg
+                err.print(f"[dim]mode {arg}.[/dim]")
             continue
         if command == "/temp":
             try:
-                settings["temperature"] = max(0.0, float(arg))
+                value = float(arg)
             except ValueError:
-                err.print("usage: /temp 0.7")
+                value = math.nan
+            if not math.isfinite(value) or value < 0:
+                err.print("usage: /temp T, T a number >= 0 (0: greedy), e.g. /temp 0.7")
+            else:
+                settings["temperature"] = value
+                err.print(f"[dim]temperature {value:g}.[/dim]")
             continue
         if command.startswith("/"):
             err.print(CHAT_HELP)

@@ -57,3 +57,26 @@ def test_ctrl_c_stops_the_answer_not_the_chat(chat):
     assert stats["new_tokens"] < 400  # cut short
     chat.sendline("/exit")
     chat.expect(pexpect.EOF)
+
+
+def test_chat_commands_say_what_they_did_and_refuse_bad_values(chat):
+    for bad in ("-1", "nan", "inf", "warm"):
+        chat.sendline(f"/temp {bad}")
+        chat.expect_exact("usage: /temp T")
+        chat.expect_exact(PROMPT)
+    chat.sendline("/temp 0.5")
+    chat.expect_exact("temperature 0.5.")
+    chat.expect_exact(PROMPT)
+    chat.sendline("/mode lookup")
+    chat.expect_exact("mode lookup.")
+    chat.expect_exact(PROMPT)
+    chat.sendline("/statsline")
+    chat.expect_exact("stats line off.")
+    chat.expect_exact(PROMPT)
+    chat.sendline("/reset")
+    chat.expect_exact("new conversation.")
+    chat.expect_exact(PROMPT)
+    chat.sendline("/quit")
+    chat.expect(pexpect.EOF)
+    chat.close()
+    assert chat.exitstatus == 0
