@@ -154,7 +154,8 @@ def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"edgespec bench: {report['prompts']} prompts × {report['rounds']} "
+    count = report["prompts"]
+    table = Table(title=f"edgespec bench: {count} prompt{'s' * (count != 1)} × {report['rounds']} "
                         f"round(s), {report['max_new_tokens']} new tokens, "
                         f"{report['device']}, draft: {report['draft']}")
     for col in ("category", "T", "mode", "tok/s", "vs AR", "tokens/pass", "acceptance",
@@ -173,8 +174,9 @@ def print_table(report: dict[str, Any], console: Console) -> None:
                       "" if r["acceptance"] is None else f"{r['acceptance']:.0%}",
                       f"{r['overhead_share']:.0%}", end_section=last)
     console.print(table)
-    console.print(f"* what `edgespec generate` runs with no flags ({report['default_mode']}); "
-                  "vs AR: decode tok/s over AR's in the same run"
+    starred = (f"* what `edgespec generate` runs with no flags ({report['default_mode']}); "
+               if report["default_mode"] else "")
+    console.print(f"{starred}vs AR: decode tok/s over AR's in the same run"
                   + (", (range over rounds)" if report["rounds"] > 1 else "") + ".")
     for name, why in report["skipped_modes"].items():
         console.print(f"{name}: not run, {why}")

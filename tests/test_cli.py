@@ -227,6 +227,14 @@ def test_bench_json_runs_every_mode_losslessly():
     assert spec["tokens_per_target_pass"] > 1
 
 
+
+def test_bench_table_of_ar_alone_stars_nothing():
+    out = run("bench", "--limit", "1", "--category", "chat", "--mode", "ar", "--temperature",
+              "0", "--max-new-tokens", "4", env={"COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "1 prompt ×" in out.stdout and " *" not in out.stdout
+    assert "runs with no flags" not in out.stdout and "vs AR: decode tok/s" in out.stdout
+
 def test_bench_on_the_real_set_with_chosen_modes_and_rounds():
     out = run("bench", "--prompts", "real", "--category", "chat", "--category", "code",
               "--limit", "1", "--mode", "lookup", "--temperature", "0", "--rounds", "2",
