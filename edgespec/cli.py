@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -51,10 +52,11 @@ threads_option = click.option("--threads", default=0, show_default=True,
                               type=click.IntRange(0, CORES or 1),
                               help="CPU threads of the pool the sessions share (0: one per "
                                    "core; at most the cores this process may use).")
+GPU_MEMORY_HELP = ("GPU memory the model may use, e.g. 6GiB (default: what the GPU reports "
+                   "free, less 10%)")
 gpu_memory_option = click.option(
     "--gpu-memory", callback=_memory,
-    help="GPU memory the model may use, e.g. 6GiB (default: what the GPU reports free, "
-         "less 10%); a bigger target is offloaded as `edgespec plan` shows.")
+    help=f"{GPU_MEMORY_HELP}; a bigger target is offloaded as `edgespec plan` shows.")
 
 
 def runtime_options(command: Callable) -> Callable:
@@ -319,7 +321,7 @@ def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
               type=click.FloatRange(0, 1, min_open=True))
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0),
               help="0 = off.")
-@click.option("--seed", type=click.IntRange(min=0), help="Seed for sampling.")
+@click.option("--seed", type=click.IntRange(0, 2**64 - 1), help="Seed for sampling.")
 @click.option("--stop", multiple=True, help="End the text at this string (repeatable).")
 @mode_option
 @click.option("--draft-tokens", type=click.IntRange(1, 64),
@@ -366,8 +368,15 @@ def generate(prompt: str | None, model: str | None, max_new_tokens: int, tempera
     # a prompt that cannot run is refused before it is echoed
     ids = engine.encode_prompt(engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
                                if as_chat else prompt)
-    if as_json:
-        click.echo(json.dumps(engine.generate(ids, config).to_dict()))
+    if as_json:  # Ctrl-C ends the answer, which is still printed (finish_reason "cancelled")
+        previous = signal.signal(signal.SIGINT, lambda *_: engine.cancel())
+        try:
+            result = engine.generate(ids, config)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        click.echo(json.dumps(result.to_dict()))
+        if result.finish_reason == "cancelled":
+            sys.exit(130)
         return
     if not as_chat:
         click.echo(prompt, nl=False)
@@ -423,8 +432,6 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
     toggles the line after each answer, /exit or /quit (or Ctrl-D) leaves; Ctrl-C stops
     an answer.
     """
-    import signal
-
     from edgespec.engine import MODES, GenerationConfig
     from edgespec.tokenizer import NO_TEMPLATE
 
@@ -606,7 +613,7 @@ def bench(model: str | None, runtime: dict, as_json: bool, prompt_set: str,
 
 @cli.command()
 @click.argument("bundle", required=False, type=click.Path(path_type=Path))
-@gpu_memory_option
+@click.option("--gpu-memory", callback=_memory, help=f"{GPU_MEMORY_HELP}.")
 @click.option("--context", default=8192, show_default=True, type=click.IntRange(min=2),
               help="Tokens of KV cache to reserve.")
 @click.option("--bandwidth", callback=_memory,

@@ -100,12 +100,14 @@ def cached_bundle(source: str | Path, console: Console | None = None,
                   **options: Any) -> Path:
     """The bundle exported from `source` with `options` (edgespec.export.export's),
     exported now if the cache has none yet."""
-    from edgespec.export.source import is_gguf
+    from edgespec.export.source import check_gguf_magic, is_gguf
 
     path = Path(source).expanduser()
     if path.is_file() and not is_gguf(path):
         raise EdgespecError(f"{path} is a file but not a GGUF model; pass a bundle, a .gguf "
                             "file, a checkpoint directory or a Hub id.")
+    if path.is_file():
+        check_gguf_magic(path)
     if path.exists():
         content = source_hash(path)
     else:  # a Hub id: the download is the content; its revision is huggingface_hub's

@@ -161,6 +161,20 @@ def test_vocab_trim_flag_without_a_draft(tmp_path, checkpoint):
     assert not (tmp_path / "b").exists()
 
 
+
+@pytest.mark.parametrize("source,fragment", [("bogus", "neither 'target' nor"),
+                                             ("corpus:/no/such/dir", "does not exist")])
+def test_a_bad_trim_source_is_refused_before_any_work(tmp_path, checkpoint, demo_draft,
+                                                       bundle_copy, source, fragment):
+    assert_user_error(run("export", str(checkpoint), "--draft", str(demo_draft), "--out",
+                          str(tmp_path / "b"), "--vocab-trim", "100", "--trim-source", source),
+                      fragment)
+    assert not (tmp_path / "b").exists()
+    before = tree(bundle_copy)
+    assert_user_error(run("vocab-trim", str(bundle_copy), "--k", "100", "--trim-source",
+                          source), fragment)
+    assert tree(bundle_copy) == before
+
 @pytest.mark.parametrize("args,flag", [(["serve", "--port", "70000"], "--port"),
                                        (["generate", "x", "--seed", "-1"], "--seed"),
                                        (["generate", "x", "--threads", "2000"], "--threads")])
@@ -296,3 +310,4 @@ def test_serve_refuses_a_busy_port_or_a_foreign_host_before_loading(tmp_path):
                           f"port {port} on 127.0.0.1 is in use", "--port")
     assert_user_error(run("serve", "--host", "999.1.1.1", "--port", port),
                       "cannot listen on '999.1.1.1'")
+

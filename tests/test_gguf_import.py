@@ -4,8 +4,12 @@ transformers' own GGUF loading (an independent dequantizer and tokenizer convers
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import gguf
@@ -21,7 +25,7 @@ from edgespec.export import export
 from edgespec.runtimes import DecoderSession
 from edgespec.tokenizer import Tokenizer
 from tests.real_models import gemma_gguf, smollm2_gguf
-from tests.test_cli import run
+from tests.test_cli import assert_user_error, run
 
 # held-out text: prose, code and a list, none of it in edgespec's built-in prompts
 HELD_OUT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, "
@@ -340,6 +344,11 @@ def test_bad_gguf_files_are_refused_in_one_sentence(tmp_path, case, expected):
     assert expected in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert sorted(tmp_path.iterdir()) == before  # nothing written, nothing removed
+    if case == "not-gguf":  # as --model: refused before an export is announced
+        result = cli("generate", "x", "--model", str(path),
+                     env={"EDGESPEC_CACHE": str(tmp_path / "cache")})
+        assert_user_error(result, expected)
+        assert sorted(tmp_path.iterdir()) == before
 
 
 def test_a_retrained_shipped_head_makes_the_cache_export_again(tmp_path, monkeypatch):
@@ -358,3 +367,22 @@ def test_a_retrained_shipped_head_makes_the_cache_export_again(tmp_path, monkeyp
     os.utime(head, ns=(1, 1))  # a new mtime, as a reinstalled package has
     assert cache_key("content", {}) != before
     assert cache_key("content", {"precision": "int8"}) != cache_key("content", {})
+
+
+def test_ctrl_c_during_generate_json_still_prints_the_answer(bundles):
+    """Counting continues for thousands of tokens; Ctrl-C ends it and the JSON says so."""
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec.cli", "generate",
+                             "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "--json", "--mode", "ar",
+                             "--max-new-tokens", "4000", "--model", str(bundles / "smollm2")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tasks = Path(f"/proc/{proc.pid}/task")
+    deadline = time.time() + 120
+    while len(list(tasks.iterdir())) < 2 and time.time() < deadline:  # ONNX Runtime's pool
+        time.sleep(0.1)
+    time.sleep(3)  # decoding by now, and far from 4,000 tokens
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    result = json.loads(out)
+    assert result["finish_reason"] == "cancelled"
+    assert 0 < result["stats"]["new_tokens"] < 4000 and result["text"].startswith(" 11")

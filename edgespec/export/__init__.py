@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import platform
 import shutil
@@ -36,7 +37,13 @@ from edgespec.export.requant import Requantizer
 from edgespec.export.rotation import rotate
 from edgespec.export.shared_data import share_weights
 from edgespec.export.source import Source, open_source
-from edgespec.export.vocab_trim import corpus_counts, default_prompts, special_ids, target_counts
+from edgespec.export.vocab_trim import (
+    check_trim_source,
+    corpus_counts,
+    default_prompts,
+    special_ids,
+    target_counts,
+)
 from edgespec.quality import DEFAULT_TEXT, chunks_of, compare
 from edgespec.quant.blockwise import QuantizedWeight
 from edgespec.quant.vocab_trim import kept_tokens
@@ -264,13 +271,11 @@ def _quality(tmp: Path, target: ModelEntry, reference: ModelEntry, ep_profile: s
 def vocab_counts(graph: Path, target: ModelEntry, tokenizer_dir: Path, source: str,
                  prompts: list[str] | None) -> np.ndarray:
     """Token frequencies for VocabTrim from the target's generations or a corpus."""
+    check_trim_source(source)
     tokenizer = Tokenizer.from_dir(tokenizer_dir)
     if source == "target":
         return target_counts(graph, target, tokenizer, prompts or default_prompts())
-    if source.startswith("corpus:"):
-        return corpus_counts(Path(source.removeprefix("corpus:")), tokenizer,
-                             target.vocab_size)
-    raise EdgespecError(f"trim source '{source}' is neither 'target' nor 'corpus:PATH'.")
+    return corpus_counts(Path(source.removeprefix("corpus:")), tokenizer, target.vocab_size)
 
 
 def _vocab_to_keep(tmp: Path, target_dir: Path, target: ModelEntry, eos_ids: list[int],
@@ -361,9 +366,14 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     start = time.time()
     nested = draft == "nested"
     head = Path(draft) if draft is not None and is_head_file(draft) else None
+    if draft is not None and str(draft).endswith(".npz") and head is None:
+        raise EdgespecError(f"the draft head {draft} does not exist; pass a head (.npz, from "
+                            "`edgespec train-draft`), a draft model, 'nested' or 'none'.")
     if head is not None and vocab_trim:
         raise EdgespecError("a draft head keeps the tokens it was trained on; leave out "
                             "--vocab-trim.")
+    if vocab_trim:
+        check_trim_source(trim_source)
     shipped = draft is None  # the shipped head for this target, if one was trained on it
     if draft == "none" or head is not None:
         draft = None
@@ -503,8 +513,9 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                                                           "source": trim_source}}))
             sizes = {name: (tmp / name).stat().st_size for name in manifest.files}
     except OSError as e:  # disk full, permissions, a vanished directory
+        advice = "free space or choose" if e.errno == errno.ENOSPC else "choose"
         raise EdgespecError(f"could not write the bundle {out} ({e.strerror or e}); nothing "
-                            "was left behind, free space or choose another --out.") from None
+                            f"was left behind, {advice} another --out.") from None
     return manifest, sizes
 
 

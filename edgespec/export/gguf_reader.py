@@ -17,6 +17,7 @@ import numpy as np
 
 from edgespec.errors import EdgespecError
 from edgespec.export.checkpoint import Checkpoint
+from edgespec.export.source import check_gguf_magic
 from edgespec.quant.blockwise import QuantizedWeight
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -219,14 +220,7 @@ def open_reader(path: Path, reader_class: Any = None) -> Any:
     """gguf-py's reader, with a truncated or foreign file refused in one sentence."""
     if reader_class is None:
         from gguf import GGUFReader as reader_class
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise EdgespecError(f"{path} cannot be read ({e.strerror or e}).") from None
-    if magic != b"GGUF":
-        raise EdgespecError(f"{path} is not a GGUF file (it does not start with 'GGUF'); pass "
-                            "a .gguf model, a checkpoint directory or a bundle.")
+    check_gguf_magic(path)
     try:
         return reader_class(path)
     except (ValueError, IndexError, OSError, KeyError, UnicodeDecodeError):

@@ -32,6 +32,18 @@ class Source:
         return Path(self.name).name
 
 
+def check_gguf_magic(path: Path) -> None:
+    """A file given as a GGUF model must start with GGUF's magic: said before any work."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise EdgespecError(f"{path} cannot be read ({e.strerror or e}).") from None
+    if magic != b"GGUF":
+        raise EdgespecError(f"{path} is not a GGUF file (it does not start with 'GGUF'); pass "
+                            "a real .gguf model file.")
+
+
 def is_gguf(path: Path) -> bool:
     """Named .gguf or starting with GGUF's magic (a damaged one is refused later, by name)."""
     if not path.is_file():

@@ -54,10 +54,19 @@ def target_counts(graph: Path, entry: ModelEntry, tokenizer: Tokenizer, prompts:
     return count_tokens(sequences, entry.vocab_size)
 
 
+def check_trim_source(source: str) -> None:
+    """'target' or 'corpus:PATH' of an existing path, said before any work is done."""
+    if source == "target":
+        return
+    if not source.startswith("corpus:"):
+        raise EdgespecError(f"trim source '{source}' is neither 'target' nor 'corpus:PATH'.")
+    if not Path(source.removeprefix("corpus:")).exists():
+        raise EdgespecError(f"the trim corpus {source.removeprefix('corpus:')} does not exist.")
+
+
 def corpus_counts(path: Path, tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
-    """Frequencies over a text file, or every .txt/.md/.py/.json file under a folder."""
-    if not path.exists():
-        raise EdgespecError(f"the trim corpus {path} does not exist.")
+    """Frequencies over a text file, or every .txt/.md/.py/.json file under a folder
+    (check_trim_source has seen that it exists)."""
     paths = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.suffix in (".txt", ".md", ".py", ".json"))
     if not paths:
@@ -193,6 +202,7 @@ def retrim_bundle(bundle: Path, k: int, source: str = "target",
     if k >= len(current):
         raise EdgespecError(f"the draft head already keeps {len(current)} tokens; "
                             f"re-export from the checkpoint to keep {k}.")
+    check_trim_source(source)
     counts = vocab_counts(bundle / m.target.graph, m.target, bundle, source, prompts)
     counts_in_head = np.full_like(counts, -1)
     counts_in_head[current] = counts[current]  # only rows the head still has

@@ -209,7 +209,7 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
     if not take("target LM head + final norm", sizes.head + sizes.shared):
         raise EdgespecError(f"a GPU budget of {fmt_bytes(budget)} cannot even hold the "
                             f"target's LM head ({fmt_bytes(sizes.head)}); give more GPU "
-                            "memory or use --device cpu.")
+                            "memory, or run the model on the CPU.")
     draft_device = "cuda"
     if draft is not None:
         draft_device = "cuda" if take("draft model + its KV cache",
