@@ -8,10 +8,11 @@ autoregressive mode meaningful: greedy speculative output must equal it token fo
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -94,7 +95,24 @@ class GenerationConfig:
     tree_lookup: int = 0  # graft this many prompt-lookup tokens as an extra branch
     logprobs: int | None = None  # report each token's target logprob and this many others
 
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):  # one stop string, not its characters
+            self.stop = [self.stop]
+
     def validate(self, has_draft: bool) -> None:
+        for name in ("temperature", "top_p", "stop_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise EdgespecError(f"{name} must be a finite number, not {value!r}.")
+        for name in ("max_new_tokens", "top_k", "seed", "draft_tokens", "lookup_tokens",
+                     "tree_budget", "tree_depth", "tree_top_k", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, np.integer))):
+                raise EdgespecError(f"{name} must be a whole number, not {value!r}.")
         if self.mode is not None and self.mode not in MODES:  # None: Engine.default_mode
             raise EdgespecError(f"unknown mode '{self.mode}'; choose one of {', '.join(MODES)}.")
         if self.mode == "spec" and not has_draft:
@@ -169,6 +187,9 @@ class Engine:
         another provider than the target."""
         if context is not None and context < 2:
             raise EdgespecError("context must be at least 2 tokens.")
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise EdgespecError(f"threads must be a whole number >= 0 (0: one per core), not "
+                                f"{threads!r}.")
         self.path = Path(path) if path is not None else demo_bundle()
         self.manifest = read_manifest(self.path, verify=verify)
         self.tokenizer = Tokenizer.from_dir(self.path)
@@ -225,6 +246,8 @@ class Engine:
         self.eos_ids = set(m.eos_token_ids)
         self._active = threading.Event()  # the running generation's cancel flag
         self._busy = threading.Lock()  # one generation at a time: they share the KV cache
+        self._owner: int | None = None  # the thread whose generation holds _busy
+        self._closed = False
         self._cached: list[int] = []  # tokens whose KV the target cache holds, in order
 
     def _plan_offload(self, gpu_memory: int | None, max_len: int,
@@ -263,8 +286,20 @@ class Engine:
         self._cached = []
 
     def close(self) -> None:
-        """Release the ONNX Runtime sessions and their KV buffers."""
+        """Release the ONNX Runtime sessions and their KV buffers. A running generation is
+        cancelled first, and waited for unless this thread holds it open (a paused
+        stream, which then ends as cancelled); queued ones raise."""
+        self._closed = True  # a generation still waiting for the lock will not start
+        self._active.set()
+        if self._owner != threading.get_ident():
+            with self._busy:
+                self._release()
+        else:
+            self._release()
+
+    def _release(self) -> None:
         self.target = self.draft = None  # type: ignore[assignment]
+        self._sessions = []
 
     def __enter__(self) -> Engine:
         return self
@@ -302,15 +337,29 @@ class Engine:
                            proposal_scale=self.manifest.draft.proposal_scale)
 
     def _config(self, config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
-        config = self.resolve(config or GenerationConfig(**kwargs))
+        if config is not None and kwargs:
+            raise EdgespecError("pass a GenerationConfig or keyword settings, not both; "
+                                "dataclasses.replace(config, ...) changes a config.")
+        if config is None:
+            unknown = set(kwargs) - {f.name for f in fields(GenerationConfig)}
+            if unknown:
+                raise EdgespecError(f"unknown setting {', '.join(sorted(unknown))}; the "
+                                    "settings are GenerationConfig's fields.")
+            config = GenerationConfig(**kwargs)
+        config = self.resolve(config)
         config.validate(self.draft is not None)
         return config
 
     def encode_ids(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text, or the given ids once checked against the vocabulary."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        ids = [int(i) for i in prompt]
+            return self.tokenizer.encode(prompt) if prompt else []
+        items = (list(prompt) if hasattr(prompt, "__iter__")
+                 and not isinstance(prompt, (bytes, bytearray)) else None)
+        if items is None or any(isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                                for i in items):
+            raise EdgespecError("a prompt is text (str) or a list of token ids (ints).")
+        ids = [int(i) for i in items]
         vocab = self.manifest.target.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise EdgespecError(f"token ids must be between 0 and {vocab - 1} (this model's "
@@ -337,11 +386,22 @@ class Engine:
 
     def _serialized(self, prompt: str | list[int], config: GenerationConfig,
                     cancel: threading.Event) -> Iterator[_Record]:
-        if self.target is None:
-            raise EdgespecError("this engine was closed; load the bundle again.")
+        if self._owner == threading.get_ident():  # waiting would wait for itself forever
+            raise EdgespecError("this thread has a generation open (a stream not read to "
+                                "its end); finish or close it before starting another.")
         with self._busy:
-            self._active = cancel
-            yield from self._records(prompt, config, cancel)
+            if self._closed:  # maybe while this one waited
+                raise EdgespecError("this engine was closed; load the bundle again.")
+            self._owner, self._active = threading.get_ident(), cancel
+            try:
+                if cancel.is_set():  # cancelled while it waited: nothing is run
+                    yield _Record([], "", GenerationStats(mode=config.mode,
+                                                          device=self.devices),
+                                  "cancelled", None)
+                    return
+                yield from self._records(prompt, config, cancel)
+            finally:
+                self._owner = None
 
     def submit(self, prompt: str | list[int], on_text: Callable[[str], None] | None = None,
                on_done: Callable[[GenerationResult], None] | None = None,
@@ -419,8 +479,9 @@ class Engine:
                                  config.draft_tokens, rng, stats, controller, on_logits)
         stop = StopStrings(config.stop)
         produced: list[int] = []
-        runtime0 = sum(m.run_s for m in self._sessions)
-        transfer0 = self.target.transfer_s
+        target, sessions = self.target, self._sessions  # close() may drop the attributes
+        runtime0 = sum(m.run_s for m in sessions)
+        transfer0 = target.transfer_s
         for step_tokens in steps:
             tokens: list[int] = []
             text, finish = "", None
@@ -442,8 +503,8 @@ class Engine:
                         if on_logits else None)
             stats.new_tokens = len(produced)
             stats.wall_s = time.perf_counter() - start
-            stats.runtime_s = sum(m.run_s for m in self._sessions) - runtime0
-            stats.transfer_s = self.target.transfer_s - transfer0
+            stats.runtime_s = sum(m.run_s for m in sessions) - runtime0
+            stats.transfer_s = target.transfer_s - transfer0
             if finish is None and cancel.is_set():
                 finish = "cancelled"
             if finish:

@@ -219,10 +219,81 @@ def test_cancel_from_another_thread(engine):
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"temperature": "0.7"}, "temperature must be a finite number"),
+    ({"temperature": float("inf")}, "temperature must be a finite number"),
+    ({"top_k": 2.5}, "top_k must be a whole number"),
+    ({"seed": 1.5}, "seed must be a whole number"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number"),
+    ({"max_tokens": 4}, "unknown setting max_tokens"),
 ])
 def test_bad_config(engine, kwargs, message):
     with pytest.raises(EdgespecError, match=message):
         engine.generate("x", **kwargs)
+
+
+@pytest.mark.parametrize("prompt", [None, b"def", [1.7, 2.2], [True], ""])
+def test_a_prompt_is_text_or_token_ids(engine, prompt):
+    with pytest.raises(EdgespecError, match="a prompt is text|the prompt is empty"):
+        engine.generate(prompt, max_new_tokens=3)
+    assert engine.generate(iter([5, 6, 7]), max_new_tokens=3, mode="ar").token_ids == \
+        engine.generate([5, 6, 7], max_new_tokens=3, mode="ar").token_ids
+
+
+def test_a_config_and_keywords_are_not_mixed_and_one_stop_string_is_one(engine):
+    from edgespec.engine import GenerationConfig
+
+    with pytest.raises(EdgespecError, match="not both"):
+        engine.generate("x", GenerationConfig(max_new_tokens=20), max_new_tokens=3)
+    full = engine.generate(PROMPTS[1], max_new_tokens=64, mode="ar").text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert engine.generate(PROMPTS[1], max_new_tokens=64, mode="ar", stop=stop).text == \
+        full[:full.find(stop)]  # the string, not each of its characters
+    assert engine.generate(PROMPTS[1], max_new_tokens=64, mode="ar", stop=None).text == full
+    with pytest.raises(EdgespecError, match="threads"):
+        edgespec.load(threads=-1)
+
+
+def test_a_paused_stream_makes_a_second_call_on_its_thread_an_error_not_a_hang(engine):
+    stream = engine.stream(PROMPTS[0], max_new_tokens=20, mode="ar")
+    next(stream)
+    with pytest.raises(EdgespecError, match="has a generation open"):
+        engine.generate("x", max_new_tokens=3)
+    stream.close()
+    assert engine.generate("x", max_new_tokens=3).token_ids  # the lock was released
+
+
+def test_close_cancels_the_running_job_refuses_queued_ones_and_frees_the_sessions():
+    import gc
+    import weakref
+
+    engine = edgespec.load()
+    target = weakref.ref(engine.target.session)
+    running = engine.submit(PROMPTS[1], max_new_tokens=400, mode="ar")
+    while not engine._owner:  # it has started
+        pass
+    queued = engine.submit(PROMPTS[0], max_new_tokens=400, mode="ar")
+    waiting = engine.submit(PROMPTS[0], max_new_tokens=400, mode="ar")
+    waiting.cancel()
+    engine.close()
+    assert running.result(timeout=60).finish_reason == "cancelled"
+    for job in (queued, waiting):
+        with pytest.raises(EdgespecError, match="was closed"):
+            job.result(timeout=60)
+    del running
+    gc.collect()
+    assert target() is None  # nothing holds the target's session any more
+
+
+def test_a_job_cancelled_while_queued_runs_nothing(engine):
+    long = engine.submit(PROMPTS[1], max_new_tokens=400, mode="ar")
+    while not engine._owner:  # it has started: the next job waits
+        pass
+    queued = engine.submit(PROMPTS[0], max_new_tokens=30, mode="ar")
+    queued.cancel()
+    long.cancel()
+    result = queued.result(timeout=60)
+    assert long.result(timeout=60).finish_reason == "cancelled"
+    assert result.finish_reason == "cancelled" and result.token_ids == []
 
 
 def test_spec_without_draft_is_a_clear_error(tmp_path, demo_target):
