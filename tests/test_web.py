@@ -32,6 +32,7 @@ def browser(tmp_path_factory):
                     "apt-get install -y chromium chromium-driver")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
@@ -69,6 +70,12 @@ def answers(driver):
     return driver.find_elements(By.CSS_SELECTOR, ".message.assistant")
 
 
+def messages(driver):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_elements(By.CSS_SELECTOR, ".message")
+
+
 def ask(driver, question):
     from selenium.webdriver.common.keys import Keys
 
@@ -96,7 +103,15 @@ def test_chat_page_streams_answers_with_stats_and_stops(browser, server, engine)
     ask(browser, QUESTION)  # without the key: refused, and the page says why
     wait(browser, lambda: "API key" in by_id(browser, "error").text and
          browser.find_element("css selector", "body").get_attribute("data-state") == "idle")
-    assert answers(browser) == []
+    assert answers(browser) == [] and messages(browser) == []  # nothing half-shown
+    assert by_id(browser, "prompt").get_attribute("value") == QUESTION  # back, to resend
+    by_id(browser, "prompt").clear()
+    by_id(browser, "api-key").send_keys("sk-wrong")
+    by_id(browser, "prompt").click()
+    ask(browser, QUESTION)
+    wait(browser, lambda: "did not accept this API key" in by_id(browser, "error").text)
+    by_id(browser, "prompt").clear()
+    by_id(browser, "api-key").clear()
 
     by_id(browser, "api-key").send_keys(KEY)
     by_id(browser, "prompt").click()  # the key field's change event stores it
@@ -127,6 +142,21 @@ def test_chat_page_streams_answers_with_stats_and_stops(browser, server, engine)
     ask(browser, "and now?")  # the conversation goes on after a Stop
     wait(browser, lambda: len(answers(browser)) == 3 and
          "[ar, cpu]" in answers(browser)[-1].find_element("css selector", ".stats").text)
+
+    ask(browser, "Write a long Python module.")  # "New chat" in the middle of an answer
+    wait(browser, lambda: len(answers(browser)) == 4 and
+         int(answers(browser)[-1].get_attribute("data-chunks")) >= 3)
+    by_id(browser, "new-chat").click()
+    wait(browser, lambda: browser.find_element("css selector", "body")
+         .get_attribute("data-state") == "idle")
+    assert messages(browser) == [] and browser.execute_script("return state.history") == []
+    settings(browser, "ar", 0, 8)
+    ask(browser, QUESTION)  # the new conversation holds none of the old answer
+    wait(browser, lambda: answers(browser) and "[ar, cpu]" in
+         answers(browser)[-1].find_element("css selector", ".stats").text)
+    assert [m["role"] for m in browser.execute_script("return state.history")] == [
+        "user", "assistant"]
+    assert not [e for e in browser.get_log("browser") if "favicon" in e["message"]]
 
 
 def test_page_assets_ship_in_the_package():

@@ -48,13 +48,22 @@ function headers() {
 }
 
 async function errorText(response) {
+  if (response.status === 401) {
+    return $("api-key").value.trim()
+      ? "The server did not accept this API key: check it above."
+      : "This server needs its API key: enter it above.";
+  }
   try {
     const body = await response.json();
-    if (response.status === 401) return "This server needs its API key: enter it above.";
     return body.error ? body.error.message : `HTTP ${response.status}`;
   } catch {
     return `HTTP ${response.status}`;
   }
+}
+
+// fetch's own failures (no server, a dropped connection) are TypeErrors
+function reachText(e) {
+  return e instanceof TypeError ? `cannot reach the server (${e.message})` : e.message;
 }
 
 // Server-sent events: "data: {json}" blocks separated by a blank line.
@@ -82,8 +91,10 @@ async function* events(response) {
 
 async function ask(text) {
   showError("");
-  state.history.push({ role: "user", content: text });
-  addMessage("user", text);
+  // this conversation: "New chat" during the answer starts another, which it must not touch
+  const history = state.history;
+  history.push({ role: "user", content: text });
+  const question = addMessage("user", text);
   const box = addMessage("assistant", "");
   const body = box.querySelector(".text");
   const stats = document.createElement("div");
@@ -91,7 +102,7 @@ async function ask(text) {
   box.append(stats);
   box.dataset.chunks = "0";
   const request = {
-    model: state.model, messages: state.history, stream: true,
+    model: state.model, messages: history, stream: true,
     temperature: Number($("temperature").value), max_tokens: Number($("max-tokens").value),
     mode: $("mode").value,
   };
@@ -113,16 +124,21 @@ async function ask(text) {
       }
       if (chunk.edgespec) stats.textContent = statsLine(chunk.edgespec);
     }
-    state.history.push({ role: "assistant", content: body.textContent });
+    history.push({ role: "assistant", content: body.textContent });
   } catch (e) {
-    if (e.name === "AbortError") {
-      stats.textContent = "stopped";
+    if (e.name === "AbortError" || body.textContent) {
+      // stopped, or cut off mid-answer: what was said stays, marked
+      stats.textContent = e.name === "AbortError" ? "stopped" : `interrupted: ${reachText(e)}`;
       stats.classList.add("stopped");
-      state.history.push({ role: "assistant", content: body.textContent });
+      history.push({ role: "assistant", content: body.textContent });
+      if (e.name !== "AbortError") showError(reachText(e));
     } else {
-      state.history.pop();
+      // nothing was answered: the question goes back to the input, to send again
+      history.pop();
+      question.remove();
       box.remove();
-      showError(e.message);
+      if (!$("prompt").value) $("prompt").value = text;
+      showError(reachText(e));
     }
   } finally {
     state.controller = null;
