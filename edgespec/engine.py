@@ -21,6 +21,7 @@ import numpy as np
 
 from edgespec.bundle import ModelEntry, read_manifest
 from edgespec.errors import EdgespecError
+from edgespec.model_cache import resolve_model
 from edgespec.runtimes import DecoderSession, pool, resolve_providers
 from edgespec.runtimes.decoder import SharedKVCache
 from edgespec.runtimes.providers import PROVIDER
@@ -575,10 +576,11 @@ def load(path: Path | str | None = None, providers: list[str] | None = None,
          device: str = "auto", verify: bool = True, context: int | None = None,
          threads: int = 0, gpu_memory: int | None = None, draft_device: str | None = None,
          placements: list[Placement] | None = None) -> Engine:
-    """Open a bundle (the embedded demo when `path` is None). `threads` sets ONNX
-    Runtime's intra-op threads (0: one per core; 1 is faster on a busy machine; one pool
-    for the whole process after runtimes.pool.share_threads()); see
+    """Open a bundle, or a .gguf file, checkpoint directory or Hub id as `--model` takes
+    them (exported once into the user cache); the embedded demo when `path` is None.
+    `threads` sets ONNX Runtime's intra-op threads (0: one per core; 1 is faster on a busy
+    machine; one pool for the whole process after runtimes.pool.share_threads()); see
     Engine for offload (`gpu_memory`, `placements`) and `draft_device`."""
-    return Engine(path, device=device, providers=providers, verify=verify, context=context,
-                  threads=threads, gpu_memory=gpu_memory, draft_device=draft_device,
-                  placements=placements)
+    return Engine(resolve_model(path), device=device, providers=providers, verify=verify,
+                  context=context, threads=threads, gpu_memory=gpu_memory,
+                  draft_device=draft_device, placements=placements)

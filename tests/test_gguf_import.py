@@ -319,6 +319,19 @@ def test_a_tiny_well_formed_file_exports_and_runs(tmp_path):
     assert edgespec.load(out).generate([5, 6, 7], max_new_tokens=3, mode="ar").token_ids
 
 
+
+def test_load_takes_a_gguf_file_and_exports_it_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    path = tiny_gguf(tmp_path / "tiny.gguf")
+    with edgespec.load(path) as engine:
+        first = engine.generate([5, 6, 7], max_new_tokens=3, mode="ar").token_ids
+    (bundle,) = (tmp_path / "cache" / "bundles").iterdir()
+    with edgespec.load(bundle) as engine:
+        assert engine.generate([5, 6, 7], max_new_tokens=3, mode="ar").token_ids == first
+    with edgespec.load(path) as engine:  # the cached export, not a second one
+        assert len(list((tmp_path / "cache" / "bundles").iterdir())) == 1
+
+
 @pytest.mark.parametrize("case,expected", [
     ("truncated", "damaged or truncated"),
     ("not-gguf", "not a GGUF file"),
