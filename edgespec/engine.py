@@ -178,14 +178,20 @@ class Engine:
                  providers: list[str] | None = None, verify: bool = True, threads: int = 0,
                  context: int | None = None, gpu_memory: int | None = None,
                  draft_device: str | None = None,
-                 placements: list[Placement] | None = None):
+                 placements: list[Placement] | None = None, allow_inexact: bool = False):
         """`context` caps the tokens a conversation may hold (default: the model's own
         limit, at most DEFAULT_CONTEXT): the KV cache is allocated for it up front.
 
         On CUDA, a target that does not fit `gpu_memory` (default: what the GPU reports
         free, less 10%) is offloaded as the planner decides (`self.plan`); `placements`
         gives the target's segments explicitly instead. `draft_device` runs the draft on
-        another provider than the target."""
+        another provider than the target.
+
+        A GPU profile's bundle run by the CPU EP (where no GPU answers) is not exact there:
+        ONNX Runtime's one-row kernels make a multi-token pass's rows differ from one-token
+        steps at the last bits, so a near-tie can go another way. Its default mode is then
+        AR, and the others are refused unless `allow_inexact` (for exercising a GPU
+        profile's code paths on a CPU)."""
         if context is not None and context < 2:
             raise EdgespecError("context must be at least 2 tokens.")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
@@ -232,6 +238,8 @@ class Engine:
                                      shared=shared, cache=kv, ranked=not self.head)
                       if m.draft else None)
         self._sessions = [s for s in (self.target, self.draft) if s is not None]
+        self.exact = m.ep_profile == "cpu" or self.target.device != "cpu"
+        self.allow_inexact = allow_inexact
         # what actually runs, as the sessions report it: "cpu", "cuda", "cuda+cpu, draft cpu"
         self.devices = self.target.device
         if self.draft is not None and self.draft.device != self.target.device:
@@ -312,7 +320,7 @@ class Engine:
     def default_mode(self) -> str:
         """The mode every surface uses unless told otherwise: speculation with the bundle's
         draft where it has one, else the target alone (the same output either way)."""
-        return "spec" if self.draft is not None else "ar"
+        return "spec" if self.draft is not None and self.exact else "ar"
 
     def resolve(self, config: GenerationConfig) -> GenerationConfig:
         """`config` with what it leaves open filled in: the mode (default_mode) and γ. A
@@ -337,6 +345,19 @@ class Engine:
                            config.stop_rule, config.stop_threshold,
                            proposal_scale=self.manifest.draft.proposal_scale)
 
+    def settings(self, config: GenerationConfig) -> GenerationConfig:
+        """`config` resolved (Engine.resolve) and checked against this engine: what every
+        surface runs. Raises EdgespecError for settings it cannot run losslessly."""
+        config = self.resolve(config)
+        config.validate(self.draft is not None)
+        if config.mode != "ar" and not self.exact and not self.allow_inexact:
+            raise EdgespecError(
+                f"this bundle was exported for the {self.manifest.ep_profile} profile, and on "
+                f"the CPU its multi-token passes are not bitwise one-token steps, so --mode "
+                f"{config.mode} could change the output; run it on its GPU, re-export it "
+                "with --ep-profile cpu, or use --mode ar.")
+        return config
+
     def _config(self, config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
         if config is not None and kwargs:
             raise EdgespecError("pass a GenerationConfig or keyword settings, not both; "
@@ -347,9 +368,7 @@ class Engine:
                 raise EdgespecError(f"unknown setting {', '.join(sorted(unknown))}; the "
                                     "settings are GenerationConfig's fields.")
             config = GenerationConfig(**kwargs)
-        config = self.resolve(config)
-        config.validate(self.draft is not None)
-        return config
+        return self.settings(config)
 
     def encode_ids(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text, or the given ids once checked against the vocabulary."""
@@ -575,12 +594,13 @@ class Job:
 def load(path: Path | str | None = None, providers: list[str] | None = None,
          device: str = "auto", verify: bool = True, context: int | None = None,
          threads: int = 0, gpu_memory: int | None = None, draft_device: str | None = None,
-         placements: list[Placement] | None = None) -> Engine:
+         placements: list[Placement] | None = None, allow_inexact: bool = False) -> Engine:
     """Open a bundle, or a .gguf file, checkpoint directory or Hub id as `--model` takes
     them (exported once into the user cache); the embedded demo when `path` is None.
     `threads` sets ONNX Runtime's intra-op threads (0: one per core; 1 is faster on a busy
     machine; one pool for the whole process after runtimes.pool.share_threads()); see
-    Engine for offload (`gpu_memory`, `placements`) and `draft_device`."""
+    Engine for offload (`gpu_memory`, `placements`), `draft_device` and `allow_inexact`."""
     return Engine(resolve_model(path), device=device, providers=providers, verify=verify,
                   context=context, threads=threads, gpu_memory=gpu_memory,
-                  draft_device=draft_device, placements=placements)
+                  draft_device=draft_device, placements=placements,
+                  allow_inexact=allow_inexact)

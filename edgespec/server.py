@@ -197,7 +197,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stops(),
             mode=req.mode or default_mode, logprobs=logprobs)
         try:
-            config.validate(engine.draft is not None)
+            config = engine.settings(config)
         except EdgespecError as e:
             raise ApiError(400, str(e), param="mode" if req.mode else None) from None
         return config

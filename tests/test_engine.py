@@ -399,15 +399,25 @@ def test_example_script_runs():
 
 
 @pytest.mark.parametrize("profile", ["cuda", "dml"])
-def test_gpu_profile_bundles_decode_losslessly_on_the_cpu_ep(tmp_path, demo_target,
-                                                             demo_draft, profile):
+def test_gpu_profile_bundles_run_their_cache_paths_on_the_cpu_ep(tmp_path, demo_target,
+                                                                 demo_draft, profile):
     """fp16 graphs of the GPU profiles, including dml's concatenated KV cache with its
-    rollback and tree compaction, decoded by the engine on the CPU EP."""
+    rollback and tree compaction, decoded by the engine on the CPU EP. There they are not
+    exact (ONNX Runtime's one-row kernels), so the engine decodes AR unless told
+    otherwise, and refuses the other modes; allowed, these prompts still match AR."""
     from edgespec.export import export
+    from tests.test_cli import assert_user_error, run
 
     export(demo_target, tmp_path / "b", draft=demo_draft, precision="fp16",
            ep_profile=profile)
-    gpu_engine = edgespec.load(tmp_path / "b", device="cpu")
+    strict = edgespec.load(tmp_path / "b", device="cpu")
+    assert strict.default_mode == "ar" and not strict.exact
+    assert strict.generate(PROMPTS[0], max_new_tokens=8).stats.mode == "ar"
+    with pytest.raises(EdgespecError, match=f"exported for the {profile} profile"):
+        strict.generate(PROMPTS[0], max_new_tokens=8, mode="lookup")
+    assert_user_error(run("generate", "x", "--model", str(tmp_path / "b"), "--mode", "spec"),
+                      "re-export it with --ep-profile cpu")
+    gpu_engine = edgespec.load(tmp_path / "b", device="cpu", allow_inexact=True)
     for prompt in PROMPTS[:3]:
         ar = gpu_engine.generate(prompt, max_new_tokens=32, mode="ar")
         for drafter in ("chain3", "tree8"):
