@@ -173,6 +173,7 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     if vocab_trim and not draft:
         raise EdgespecError("--vocab-trim trims the draft's LM head, but no --draft was "
                             "given; add --draft or leave --vocab-trim out.")
+    _check_export_options(target, draft, precision, draft_precision, vocab_trim, requantize)
     run_export(target, out, draft=draft, precision=precision,
                draft_precision=draft_precision, block_size=int(block_size),
                ep_profile=ep_profile, accuracy_level=int(accuracy_level),
@@ -294,6 +295,35 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
                    read_prompts(prompts) if prompts else None, opts, console=err, texts=text)
     err.print(f"wrote {out}: {head.params / 1e6:.2f} M parameters, {len(head.kept)} tokens; "
               f"card in {out.with_suffix('.json')}.")
+
+
+def _check_export_options(target: str, draft: str | None, precision: str,
+                          draft_precision: str | None, vocab_trim: int | None,
+                          requantize: bool) -> None:
+    """Options that would be silently ignored in this combination are refused instead."""
+    from edgespec.export.source import is_gguf
+
+    given = click.get_current_context().get_parameter_source("trim_source")
+    conflicts = [
+        (draft == "none" and (vocab_trim or draft_precision),
+         "--vocab-trim and --draft-precision shape the draft, but --draft none makes none; "
+         "leave them out."),
+        (given != click.core.ParameterSource.DEFAULT and not vocab_trim,
+         "--trim-source chooses what --vocab-trim counts; add --vocab-trim K or leave it "
+         "out."),
+        (draft == "nested" and precision != "int8",
+         "--draft nested builds an int8 target (4+4 codes); leave out --precision or give "
+         "int8."),
+        (draft == "nested" and draft_precision not in (None, "int4"),
+         "--draft nested drafts with the 4-bit half of the target's codes; leave out "
+         "--draft-precision."),
+        (requantize and not is_gguf(Path(target)),
+         "--requantize re-quantizes a GGUF file's tensors, and this target is not one; "
+         "leave it out."),
+    ]
+    for conflict, message in conflicts:
+        if conflict:
+            raise EdgespecError(message)
 
 
 @cli.command("vocab-trim")

@@ -311,3 +311,17 @@ def test_serve_refuses_a_busy_port_or_a_foreign_host_before_loading(tmp_path):
     assert_user_error(run("serve", "--host", "999.1.1.1", "--port", port),
                       "cannot listen on '999.1.1.1'")
 
+
+
+@pytest.mark.parametrize("flags,fragment", [
+    (["--draft", "none", "--vocab-trim", "100"], "--draft none makes none"),
+    (["--draft", "none", "--draft-precision", "int4"], "--draft none makes none"),
+    (["--trim-source", "target"], "--trim-source chooses what --vocab-trim counts"),
+    (["--draft", "nested", "--precision", "fp16"], "--draft nested builds an int8 target"),
+    (["--draft", "nested", "--draft-precision", "int8"], "4-bit half of the target's codes"),
+    (["--requantize"], "this target is not one"),
+])
+def test_export_refuses_options_it_would_ignore(tmp_path, checkpoint, flags, fragment):
+    assert_user_error(run("export", str(checkpoint), "--out", str(tmp_path / "b"), *flags),
+                      fragment)
+    assert not (tmp_path / "b").exists()
