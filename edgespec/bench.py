@@ -91,6 +91,12 @@ def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int
     """Per category, temperature and mode: tokens/s, speedup vs AR (with its range over
     rounds), tokens per target pass, acceptance. Sampled runs are seeded per prompt and
     not compared with AR's output. `gammas`: chains of these lengths as extra modes."""
+    # a model with a short context (the demo's 512) keeps the prompt's end, and says so
+    keep = engine.context_length - max_new_tokens - 1
+    if keep < 1:
+        raise EdgespecError(f"{max_new_tokens} new tokens leave no room for a prompt in the "
+                            f"model's context of {engine.context_length}; give at most "
+                            f"{engine.context_length - 2}.")
     configs, default = bench_modes(engine, modes, gammas)
     skipped = {}
     for name, config in list(configs.items()):  # warm-up: each mode's first pass allocates
@@ -102,8 +108,8 @@ def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int
             del configs[name]
     names = list(configs)
     ids = [prompt_ids(engine.tokenizer, p) for p in prompts]
-    # a model with a short context (the demo's 512) keeps the prompt's end
-    ids = [x[-max(1, engine.context_length - max_new_tokens - 1):] for x in ids]
+    cut = sum(len(x) > keep for x in ids)
+    ids = [x[-keep:] for x in ids]
     stats: dict[tuple[int, str, float, str], list[GenerationStats]] = defaultdict(list)
     differs: dict[tuple[str, float, str], int] = defaultdict(int)
     done, total = 0, rounds * len(prompts) * len(temperatures)
@@ -145,7 +151,8 @@ def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int
                              for r in range(rounds)]
                 row["speedup_range"] = [min(per_round), max(per_round)]
                 rows.append(row)
-    return {"prompts": len(prompts), "categories": order[:-1], "rounds": rounds,
+    return {"prompts": len(prompts), "cut_prompts": cut, "kept_tokens": keep,
+            "categories": order[:-1], "rounds": rounds,
             "max_new_tokens": max_new_tokens, "temperatures": list(temperatures),
             "device": engine.devices, "draft": draft_description(engine),
             "default_mode": default, "skipped_modes": skipped,
@@ -178,6 +185,10 @@ def print_table(report: dict[str, Any], console: Console) -> None:
                if report["default_mode"] else "")
     console.print(f"{starred}vs AR: decode tok/s over AR's in the same run"
                   + (", (range over rounds)" if report["rounds"] > 1 else "") + ".")
+    if report["cut_prompts"]:
+        console.print(f"{report['cut_prompts']} prompt(s) were cut to their last "
+                      f"{report['kept_tokens']} tokens to fit the model's context with "
+                      f"{report['max_new_tokens']} new tokens.")
     for name, why in report["skipped_modes"].items():
         console.print(f"{name}: not run, {why}")
     if any(r["greedy_differs_from_ar"] for r in rows):

@@ -228,6 +228,15 @@ def test_bench_json_runs_every_mode_losslessly():
 
 
 
+def test_bench_says_what_it_cut_to_fit_the_context():
+    out = run("bench", "--limit", "1", "--category", "chat", "--mode", "ar", "--temperature",
+              "0", "--max-new-tokens", "500", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["cut_prompts"] == 1 and report["kept_tokens"] == 512 - 500 - 1
+    assert_user_error(run("bench", "--max-new-tokens", "600"), "leave no room for a prompt")
+
+
 def test_bench_table_of_ar_alone_stars_nothing():
     out = run("bench", "--limit", "1", "--category", "chat", "--mode", "ar", "--temperature",
               "0", "--max-new-tokens", "4", env={"COLUMNS": "200"})
