@@ -229,9 +229,9 @@ class Engine:
         kv = SharedKVCache(self.target.cache) if shared else None
         self.head = m.draft is not None and m.draft.kind == "eagle"
         if self.head and not hasattr(self.target, "features"):
-            raise EdgespecError("this bundle's draft head reads the target's final states, "
-                                "which an offloaded target does not hand over; run it "
-                                "without --gpu-memory limits, or with --mode ar.")
+            from edgespec.runtimes.planner import HEAD_NEEDS_WHOLE_TARGET
+
+            raise EdgespecError(HEAD_NEEDS_WHOLE_TARGET)
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, draft_providers,
                                      draft_device or device, max_len=self.target.max_len,
                                      threads=_draft_threads(m.draft, threads),

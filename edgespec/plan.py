@@ -18,6 +18,7 @@ from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.planner import (
     BUDGETS,
+    HEAD_NEEDS_WHOLE_TARGET,
     ModelSizes,
     Plan,
     fmt_bytes,
@@ -44,7 +45,10 @@ def plan_bundle(path: Path, gpu_memory: int | None, context: int,
     sizes = ModelSizes.of(path / m.target.graph, m.target)
     draft = (ModelSizes.of(path / m.draft.graph, m.draft)
              if m.draft and m.draft.graph != m.target.graph else None)
-    return make_plan(sizes, budget, context, costs, draft), assumed
+    plan = make_plan(sizes, budget, context, costs, draft)
+    if m.draft is not None and m.draft.kind == "eagle" and plan.offload != "none":
+        raise EdgespecError(HEAD_NEEDS_WHOLE_TARGET)
+    return plan, assumed
 
 
 def plan_dict(plan: Plan, assumed: list[str]) -> dict[str, Any]:

@@ -831,6 +831,23 @@ def test_vocab_trim_refuses_a_head_bundle_and_leaves_it_whole(tiny, trained, tmp
     assert {p.name: sha256(p) for p in (tmp_path / "b").iterdir()} == before
     drafts_and_equals_ar(tmp_path / "b")
 
+
+def test_plan_refuses_to_offload_a_head_bundle(tiny, trained, tmp_path):
+    """The engine cannot run a head beside an offloaded target, so no plan offers one."""
+    from edgespec.bundle import read_manifest
+    from edgespec.errors import EdgespecError
+    from edgespec.export import export
+    from edgespec.plan import plan_bundle
+    from edgespec.runtimes.planner import ModelSizes
+
+    export(tiny[0], tmp_path / "b", draft=trained)
+    m = read_manifest(tmp_path / "b")
+    sizes = ModelSizes.of(tmp_path / "b" / m.target.graph, m.target)
+    fits, _ = plan_bundle(tmp_path / "b", gpu_memory=1 << 40, context=256, bandwidth=16e9)
+    assert fits.offload == "none"  # the whole target on the GPU: a head's plan
+    with pytest.raises(EdgespecError, match="draft head reads the target's final states"):
+        plan_bundle(tmp_path / "b", gpu_memory=sizes.total, context=256, bandwidth=16e9)
+
 def drafts_and_equals_ar(bundle: Path) -> None:
     """The bundle's default mode drafts, and its greedy output is greedy AR's."""
     import edgespec

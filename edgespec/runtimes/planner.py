@@ -33,6 +33,9 @@ GiB = 1 << 30
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
          "mib": 1 << 20, "g": GiB, "gb": 10**9, "gib": GiB}
 BUDGETS = tuple(2 ** i for i in range(11))  # tree budgets the planner considers, 1..1024
+HEAD_NEEDS_WHOLE_TARGET = ("this bundle's draft head reads the target's final states, which "
+                           "an offloaded target does not hand over; give it GPU memory for "
+                           "the whole target, or export it with --draft none to offload it.")
 
 
 def parse_bytes(text: str) -> int:
