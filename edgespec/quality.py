@@ -105,6 +105,9 @@ def measure(bundle: Path, reference: Path, text: Path | None = None, ctx: int = 
     """`bundle`'s target against `reference`: a bundle, or a checkpoint directory or
     GGUF file, exported here in fp32 (a GGUF file's weights dequantized) for the purpose."""
     model = _target(bundle)
+    if ctx > model[1].max_positions:
+        raise EdgespecError(f"--ctx {ctx} is longer than the model's context of "
+                            f"{model[1].max_positions} tokens; give a smaller --ctx.")
     text = text or DEFAULT_TEXT
     if not text.is_file():
         raise EdgespecError(f"the text {text} is not a file; pass --text FILE.")

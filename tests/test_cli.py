@@ -193,6 +193,11 @@ def test_quality_refuses_bad_input(tmp_path, demo_target):
                           "--precision", "int4", "--calibration", str(tmp_path / "none.txt")),
                       "is not a file")
     assert not (tmp_path / "c").exists()
+    from edgespec.engine import demo_bundle
+
+    demo = str(demo_bundle())
+    assert_user_error(run("quality", demo, "--reference", demo, "--ctx", "1024"),
+                      "--ctx 1024 is longer than the model's context of 512")
 
 
 def test_import_is_light():
