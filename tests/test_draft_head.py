@@ -716,6 +716,42 @@ def test_synthesize_refuses_a_model_without_a_chat_template(tiny, tmp_path):
         data.self_requests(model, base, [0], 2, 0, 2, lambda n: None)
 
 
+
+def test_interrupted_training_resumes_from_its_checkpoint_to_the_same_head(
+        tiny, tmp_path, monkeypatch):
+    """A checkpoint every 30 s (here: every step, the clock jumping a minute a call); a run
+    stopped at step 3 resumes at step 2 and ends with the uninterrupted run's head."""
+    from rich.console import Console
+
+    from edgespec.export.source import open_source
+    from edgespec.train import trainer
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    clock = iter(range(0, 10**6, 60))
+    monkeypatch.setattr(trainer.time, "monotonic", lambda: next(clock))
+    opts = trainer.TrainOptions(steps=5, kept=256, max_new_tokens=8, reader="float",
+                                sampled=False)
+    source = open_source(tiny[0], tmp_path / "src")
+    whole = trainer.train_draft(source, tmp_path / "a.npz", tmp_path / "a", ["def f(x):"], opts)
+    loss, calls = trainer.head_loss, []
+
+    def stops_at_step_3(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return loss(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "head_loss", stops_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train_draft(source, tmp_path / "b.npz", tmp_path / "b", ["def f(x):"], opts)
+    monkeypatch.setattr(trainer, "head_loss", loss)
+    console = Console(record=True, width=200)
+    resumed = trainer.train_draft(source, tmp_path / "b.npz", tmp_path / "b", ["def f(x):"],
+                                  opts, console=console)
+    assert "resuming the head's training at step 2 of 5" in console.export_text()
+    for name, value in whole.weights.items():
+        np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
+
 def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_path):
     from tests.test_cli import run
 

@@ -407,8 +407,14 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
         schedule.load_state_dict(saved["schedule"])
         step, history = saved["step"], saved["history"]
         rng = saved["rng"]
+        if "torch_rng" in saved:  # the states' noise, as it would have gone on
+            torch.set_rng_state(saved["torch_rng"])
+            if saved["cuda_rng"] is not None:
+                torch.cuda.set_rng_state_all(saved["cuda_rng"])
+        console.print(f"resuming the head's training at step {step} of {opts.steps}")
     items = windows(convs, opts.seq_len)
     per_batch = max(1, opts.batch_tokens // opts.seq_len)
+    saved_at = time.monotonic()
     with _progress(console) as progress:
         task = progress.add_task("training the head", total=opts.steps, completed=step)
         while step < opts.steps:
@@ -426,11 +432,16 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
                 f"training the head (loss {np.mean([h[0] for h in history[-20:]]):.3f}, "
                 f"top-1 " + "/".join(f"{np.mean([h[1 + k] for h in history[-20:]]):.2f}"
                                      for k in range(opts.unroll)) + ")"))
-            if step % 100 == 0 or step == opts.steps:
+            # a checkpoint every 100 steps or 30 s: a slow CPU run loses half a minute
+            if step % 100 == 0 or step == opts.steps or time.monotonic() - saved_at > 30:
+                saved_at = time.monotonic()
                 tmp = work / "head.part.pt"
                 torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
                             "schedule": schedule.state_dict(), "step": step,
-                            "history": history, "rng": rng, "opts": asdict(opts)}, tmp)
+                            "history": history, "rng": rng, "opts": asdict(opts),
+                            "torch_rng": torch.get_rng_state(),
+                            "cuda_rng": torch.cuda.get_rng_state_all()
+                            if opts.device.startswith("cuda") else None}, tmp)
                 tmp.replace(checkpoint)
     recent = np.mean(history[-50:], axis=0)
     card = {
