@@ -40,9 +40,12 @@ def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> in
     from edgespec.runtimes.planner import parse_bytes
 
     try:
-        return None if value is None else parse_bytes(value)
+        size = None if value is None else parse_bytes(value)
     except EdgespecError as e:
         raise click.BadParameter(str(e)) from None
+    if size == 0:
+        raise click.BadParameter("must be more than 0.")
+    return size
 
 
 device_option = click.option("--device", type=click.Choice(DEVICES), default="auto",

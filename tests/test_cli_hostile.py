@@ -177,7 +177,9 @@ def test_a_bad_trim_source_is_refused_before_any_work(tmp_path, checkpoint, demo
 
 @pytest.mark.parametrize("args,flag", [(["serve", "--port", "70000"], "--port"),
                                        (["generate", "x", "--seed", "-1"], "--seed"),
-                                       (["generate", "x", "--threads", "2000"], "--threads")])
+                                       (["generate", "x", "--threads", "2000"], "--threads"),
+                                       (["plan", "--gpu-memory", "12MiB", "--bandwidth", "0"],
+                                        "--bandwidth")])
 def test_out_of_range_options_are_usage_errors(args, flag):
     out = run(*args)
     assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr
