@@ -498,19 +498,28 @@ class Engine:
             steps = chain_decode(self.target, drafter, ids, config.sampling,
                                  config.draft_tokens, rng, stats, controller, on_logits)
         stop = StopStrings(config.stop)
-        produced: list[int] = []
+        produced: list[int] = []  # every token committed (and so fed, but the last)
+        # a token is handed out once its text begins in the text handed out: where a stop
+        # string may be starting, its tokens wait with their text, and those wholly in
+        # the stop string are dropped with it (token ids and logprobs match the text)
+        waiting: list[tuple[int, int, TokenLogprob | None]] = []  # token, text offset, lp
+        decoded = emitted = handed = 0  # characters decoded and handed out, tokens
         target, sessions = self.target, self._sessions  # close() may drop the attributes
         runtime0 = sum(m.run_s for m in sessions)
         transfer0 = target.transfer_s
         for step_tokens in steps:
             tokens: list[int] = []
+            offsets: list[int] = []
             text, finish = "", None
             for tok in step_tokens:
                 if tok in self.eos_ids:
                     finish = "stop"
                     break
                 tokens.append(tok)
-                text += stop.feed(detok.add(tok))
+                offsets.append(decoded)
+                piece = detok.add(tok)
+                decoded += len(piece)
+                text += stop.feed(piece)
                 if stop.hit:
                     finish = "stop"
                     break
@@ -520,18 +529,25 @@ class Engine:
             produced += tokens
             logprobs = ([token_logprob(row, tok, config.logprobs)
                          for row, tok in zip(rows.pop(), tokens, strict=False)]
-                        if on_logits else None)
-            stats.new_tokens = len(produced)
-            stats.wall_s = time.perf_counter() - start
-            stats.runtime_s = sum(m.run_s for m in sessions) - runtime0
-            stats.transfer_s = target.transfer_s - transfer0
+                        if on_logits else [None] * len(tokens))
+            waiting += zip(tokens, offsets, logprobs, strict=True)
             if finish is None and cancel.is_set():
                 finish = "cancelled"
             if finish:
                 text += stop.flush(detok.flush() if not stop.hit else "")
                 # every emitted token but the last has surely been fed to the target
                 self._cached = ids + produced[:-1]
-            yield _Record(tokens, text, stats, finish, logprobs)
+            emitted += len(text)
+            ready = len(waiting) if finish and not stop.hit else sum(
+                offset < emitted for _, offset, _ in waiting)
+            out, waiting = waiting[:ready], [] if finish else waiting[ready:]
+            handed += len(out)
+            stats.new_tokens = handed
+            stats.wall_s = time.perf_counter() - start
+            stats.runtime_s = sum(m.run_s for m in sessions) - runtime0
+            stats.transfer_s = target.transfer_s - transfer0
+            yield _Record([t for t, _, _ in out], text, stats, finish,
+                          [lp for _, _, lp in out] if on_logits else None)
             if finish:
                 return
 

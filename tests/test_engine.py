@@ -330,6 +330,26 @@ def test_stop_strings(engine, drafter):
     assert "".join(chunks) == cut
 
 
+
+@pytest.mark.parametrize("drafter", ["chain3", "lookup"])
+def test_a_stop_strings_tokens_go_with_it(engine, drafter):
+    """Token ids and logprobs end with the token whose text the cut text ends in: the
+    tokens that only spell the stop string are not handed out."""
+    full = engine.generate(PROMPTS[1], max_new_tokens=64, mode="ar")
+    for at in range(8, len(full.text) - 8, 7):  # stops starting all over the answer
+        stop = full.text[at:at + 4]
+        cut = full.text[:full.text.find(stop)]
+        records = list(engine.records(PROMPTS[1], max_new_tokens=64, stop=stop, logprobs=0,
+                                      **DRAFTERS[drafter]))
+        ids = [t for r in records for t in r.tokens]
+        n = len(ids)
+        assert "".join(r.text for r in records) == cut and ids == full.token_ids[:n], stop
+        decode = engine.tokenizer.decode
+        assert len(cut) <= len(decode(full.token_ids[:n]))  # no token short of the cut
+        assert n == 0 or len(decode(ids[:-1])) < len(cut)  # none wholly in the stop
+        assert [e.token for r in records for e in r.logprobs] == ids
+        assert records[-1].stats.new_tokens == n
+
 def test_stop_string_split_across_chunks_is_held_back():
     from edgespec.stops import StopStrings
 
