@@ -173,9 +173,6 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
                 Path(source).resolve().is_relative_to(out.resolve()):
             raise EdgespecError(f"{out} holds {source}, which this export reads; choose "
                                 "another --out.")
-    if vocab_trim and not draft:
-        raise EdgespecError("--vocab-trim trims the draft's LM head, but no --draft was "
-                            "given; add --draft or leave --vocab-trim out.")
     _check_export_options(target, draft, precision, draft_precision, vocab_trim, requantize)
     run_export(target, out, draft=draft, precision=precision,
                draft_precision=draft_precision, block_size=int(block_size),
@@ -308,6 +305,9 @@ def _check_export_options(target: str, draft: str | None, precision: str,
 
     given = click.get_current_context().get_parameter_source("trim_source")
     conflicts = [
+        (vocab_trim and not draft,
+         "--vocab-trim trims the draft's LM head, but no --draft was given; add --draft or "
+         "leave --vocab-trim out."),
         (draft == "none" and (vocab_trim or draft_precision),
          "--vocab-trim and --draft-precision shape the draft, but --draft none makes none; "
          "leave them out."),
