@@ -22,8 +22,9 @@ from edgespec.bundle import FORMAT_VERSION, MANIFEST
 from edgespec.errors import EdgespecError
 
 # bumped when exports change what their graphs can do: a bundle cached before still runs,
-# but the cache then exports anew (2: prefills score their last rows only)
-EXPORTER = 2
+# but the cache then exports anew (2: prefills score their last rows only; 3: tied
+# embeddings gather bytes, no table copy at session load)
+EXPORTER = 3
 SOURCE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja", "model.safetensors.index.json")
 

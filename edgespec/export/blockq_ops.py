@@ -185,8 +185,11 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
               "cbase")
     index = op("Add", [op("Unsqueeze", [base, last], "cbu"), g.const(
         f"gq.steps.{nb}.{units}", np.arange(nb * units, dtype=i64) * LANES)], "cindex")
-    fours = op("Reshape", [codes, g.const("gq.fours", np.array([-1, 4], i64))], "fours")
-    got = op("Gather", [fours, index], "codes")  # [1, S, nb * units, 4]
+    # byte indices into the flat codes: a Reshape of them to rows of 4 would be folded at
+    # session load into a copy of the whole table (160 MB for Gemma 3's head)
+    first = op("Mul", [op("Unsqueeze", [index, last], "cindex.u"), const("bytes", 4)], "first")
+    got = op("Gather", [codes, op("Add", [first, g.const("gq.four_bytes", np.arange(
+        4, dtype=i64))], "bytes")], "codes")  # [1, S, nb * units, 4]
     if q.bits == 4:  # group 2h in the low nibbles, 2h + 1 in the high ones
         two = g.const("i64.minus2", np.array([-2], i64))
         low = op("BitwiseAnd", [got, g.const("mask.4", np.array(15, np.uint8))], "low")
