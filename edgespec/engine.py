@@ -23,7 +23,7 @@ from edgespec.bundle import ModelEntry, read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.model_cache import resolve_model
 from edgespec.runtimes import DecoderSession, pool, resolve_providers
-from edgespec.runtimes.decoder import SharedKVCache
+from edgespec.runtimes.decoder import SharedKVCache, release_freed_heap
 from edgespec.runtimes.providers import PROVIDER
 from edgespec.spec import (
     GenerationStats,
@@ -252,6 +252,7 @@ class Engine:
             self.kept = kept
             if not self.head:  # a head maps its rows itself (spec.drafters.HeadDrafter)
                 self.draft = TrimmedModel(self.draft, kept, m.target.vocab_size)
+        release_freed_heap()
         self.eos_ids = set(m.eos_token_ids)
         self._active = threading.Event()  # the running generation's cancel flag
         self._busy = threading.Lock()  # one generation at a time: they share the KV cache

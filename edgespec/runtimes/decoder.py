@@ -193,8 +193,8 @@ def open_session(path: Path, providers: list[str], threads: int = 0,
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     kernels.register(opts)
     try:
-        session = ort.InferenceSession(model if model is not None else str(path), opts,
-                                       providers=providers)
+        return ort.InferenceSession(model if model is not None else str(path), opts,
+                                    providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         if f"{kernels.DOMAIN}:" in str(e) and not kernels.available():
             raise EdgespecError(
@@ -203,18 +203,17 @@ def open_session(path: Path, providers: list[str], threads: int = 0,
                 "MSVC is available, or re-export the bundle here.") from None
         raise EdgespecError(f"ONNX Runtime cannot load {path} ({str(e).splitlines()[0]}); "
                             "re-export the bundle.") from None
-    release_freed_heap()
-    return session
 
 
 def release_freed_heap() -> None:
-    """Give the system back the heap that loading a session freed. ONNX Runtime folds a
-    bundle's constant tables at load (kernel layouts, rotary tables: export.blockq_ops,
-    export.graph) through several copies of each; glibc keeps the freed chunks for reuse,
-    and a process then holds ~0.9 GB it no longer uses after loading Gemma 3 270M's
-    target (1.28 GB for a 246 MB graph, 0.36 GB trimmed). What the tokenizer freed goes
-    too (its 14 MB JSON is parsed through ~0.3 GB; the engine reads it first).
-    malloc_trim is glibc's; other systems' allocators return memory their own way."""
+    """Give the system back the heap that loading freed. ONNX Runtime folds a bundle's
+    constant tables at session load (kernel layouts, rotary tables: export.blockq_ops,
+    export.graph) through several copies of each, and tokenizers parses Gemma 3's 14 MB
+    tokenizer.json through ~0.3 GB; glibc keeps the freed chunks for reuse, so an engine
+    on Gemma 3 270M held 1.2-1.3 GB after 64 tokens, 0.7 GB trimmed. Called once everything
+    is loaded: trimming after each part made the next fault in fresh pages for what it
+    would have reused (0.35 s more to load Gemma 3). malloc_trim is glibc's; other
+    systems' allocators return memory their own way."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None).malloc_trim(0)
