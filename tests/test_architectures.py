@@ -100,6 +100,26 @@ def test_fp32_export_matches_transformers(checkpoint, tmp_path):
     assert np.abs(got - ref).max() < TOL * max(1.0, np.abs(ref).max())
 
 
+def test_a_bfloat16_checkpoint_exports_as_transformers_reads_it(tmp_path, demo_target):
+    """Hub checkpoints are mostly bfloat16 (safetensors BF16, which edgespec reads through
+    ml_dtypes, imported only then): the fp32 export of one computes what transformers
+    computes from the same file."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(configs()["llama"], dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "ckpt")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_target / f, tmp_path / "ckpt" / f)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt",
+                                                     dtype=torch.float32).eval()
+    export(tmp_path / "ckpt", tmp_path / "b", precision="fp32")
+    ids = np.random.default_rng(5).integers(0, VOCAB, 16)
+    ref = torch_logits(reference, ids)
+    got = session(tmp_path / "b").forward(ids)
+    assert np.abs(got - ref).max() < TOL * max(1.0, np.abs(ref).max())
+
+
 def test_rotated_export_computes_the_same_function(checkpoint, tmp_path):
     """--quant rot folds orthogonal rotations into the weights (export.rotation): in fp32
     the graph must still compute transformers' logits, for every family that has no norm

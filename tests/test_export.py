@@ -207,7 +207,7 @@ def test_mismatched_draft_vocabulary_is_refused(tmp_path, demo_target):
                                      KeyboardInterrupt()])
 def test_interrupted_export_leaves_nothing(tmp_path, demo_target, monkeypatch, failure):
     """The disk fills up (or the user presses Ctrl-C) while the weights are written."""
-    import edgespec.export as exporter
+    import edgespec.export.pipeline as exporter
 
     def broken_save(*args, **kwargs):
         raise failure

@@ -13,14 +13,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from edgespec.errors import EdgespecError
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16",
            "F64": np.float64, "I64": np.int64, "I32": np.int32, "I8": np.int8, "U8": np.uint8,
            "I16": np.int16, "BOOL": np.bool_}
+
+
+def _dtype(code: str) -> np.dtype:
+    """A safetensors dtype as numpy's; bfloat16 through ml_dtypes, imported only for a
+    file that holds it (0.4 s, which a cached --model would otherwise pay to open)."""
+    if code == "BF16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(_DTYPES[code])
 
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -52,9 +61,9 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             raise EdgespecError(f"{path}: tensor {name} has dtype {dtype}, which "
                                 "edgespec cannot read; convert the checkpoint to fp16/bf16.")
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size
-                and end - start == count * np.dtype(_DTYPES[dtype]).itemsize):
+                and end - start == count * _dtype(dtype).itemsize):
             raise EdgespecError(damaged)
-        out[name] = data[start:end].view(_DTYPES[dtype]).reshape(shape)
+        out[name] = data[start:end].view(_dtype(dtype)).reshape(shape)
     return out
 
 
