@@ -23,12 +23,11 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bfloat16",
 
 
 def _dtype(code: str) -> np.dtype:
-    """A safetensors dtype as numpy's; bfloat16 through ml_dtypes, imported only for a
-    file that holds it (0.4 s, which a cached --model would otherwise pay to open)."""
+    """A safetensors dtype as numpy's. numpy knows "bfloat16" once ml_dtypes registers
+    it, imported only for a file that holds one (0.4 s, which a cached --model would
+    otherwise pay to open)."""
     if code == "BF16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
+        import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy)
     return np.dtype(_DTYPES[code])
 
 
@@ -60,10 +59,11 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         if dtype not in _DTYPES:
             raise EdgespecError(f"{path}: tensor {name} has dtype {dtype}, which "
                                 "edgespec cannot read; convert the checkpoint to fp16/bf16.")
+        kind = _dtype(dtype)
         if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= size
-                and end - start == count * _dtype(dtype).itemsize):
+                and end - start == count * kind.itemsize):
             raise EdgespecError(damaged)
-        out[name] = data[start:end].view(_dtype(dtype)).reshape(shape)
+        out[name] = data[start:end].view(kind).reshape(shape)
     return out
 
 
