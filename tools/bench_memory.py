@@ -14,13 +14,17 @@ import sys
 
 CHILD = """import json, sys, time
 import edgespec
+from edgespec.errors import EdgespecError
 from edgespec.model_cache import resolve_model
 
 def mib(field):
     status = open("/proc/self/status").read()
     return int(status.split(field + ":")[1].split()[0]) >> 10
 
-path = str(resolve_model(sys.argv[1]))  # exported first if need be, outside the figures
+try:  # exported first if need be, outside the figures
+    path = str(resolve_model(sys.argv[1]))
+except EdgespecError as e:
+    sys.exit(str(e))
 start, t0 = mib("VmRSS"), time.perf_counter()
 engine = edgespec.load(path, threads=int(sys.argv[2]))
 loaded, t1 = mib("VmRSS"), time.perf_counter()
@@ -39,7 +43,9 @@ def main() -> None:
     rows = []
     for model in a.model:
         out = subprocess.run([sys.executable, "-c", CHILD, model, str(a.threads)],
-                             capture_output=True, text=True, check=True)
+                             capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"{model}: {(out.stderr.strip().splitlines() or ['failed'])[-1]}")
         rows.append({"model": model, **json.loads(out.stdout.splitlines()[-1])})
     print(json.dumps(rows, indent=1))
 
