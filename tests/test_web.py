@@ -139,10 +139,14 @@ def test_chat_page_streams_answers_with_stats_and_stops(browser, server, engine)
     after = httpx.get(f"{server}/health").json()
     assert after["cancelled"] == before["cancelled"] + 1  # the server stopped generating
 
-    ask(browser, "and now?")  # the conversation goes on after a Stop
+    # the conversation goes on after a Stop; a short answer, since at T=0.8 an unbounded one
+    # can fill the demo's 512-token context and leave no room for the next question
+    settings(browser, "ar", 0.8, 24)
+    ask(browser, "and now?")
     wait(browser, lambda: len(answers(browser)) == 3 and
          "[ar, cpu]" in answers(browser)[-1].find_element("css selector", ".stats").text)
 
+    settings(browser, "ar", 0.8, 2000)
     ask(browser, "Write a long Python module.")  # "New chat" in the middle of an answer
     wait(browser, lambda: len(answers(browser)) == 4 and
          int(answers(browser)[-1].get_attribute("data-chunks")) >= 3)
