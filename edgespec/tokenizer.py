@@ -7,6 +7,7 @@ Hugging Face does it (sandboxed environment, trim_blocks/lstrip_blocks, `raise_e
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Iterable
@@ -243,8 +244,14 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete character at the very end)."""
+        """Whatever is still held back, less a character the last tokens left incomplete
+        (an answer cut off by its token budget in the middle of an emoji): its bytes are
+        no character, and decoding them would end the text in U+FFFD."""
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        held = b"".join(self._tok.token_bytes(i) for i in self._ids[self._read:])
         self._prefix = self._read = len(self._ids)
-        return text[len(prefix_text):]
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(held)
+        cut = bool(decoder.getstate()[0]) and text.endswith("\ufffd")
+        return text[len(prefix_text):len(text) - cut]

@@ -219,10 +219,10 @@ def test_a_wrong_verifier_fails_the_head_tree_distribution_test(monkeypatch):
 
 
 def hybrid_run(target_table, draft_table, params, rng, stats, prompt=(0, 1, 2, 0, 1, 2, 0),
-               controlled=False):
+               controlled=False, max_len=200):
     """With `controlled`, a HybridController picks each pass's source from timings that
     are noise here: whatever it picks, the output must be the target's."""
-    target = FeatureMarkov(target_table, 200)
+    target = FeatureMarkov(target_table, max_len)
     controller = HybridController(4) if controlled else None
     drafter = HybridDrafter(HeadDrafter(ToyHead(draft_table, KEPT), target, KEPT, V), 4,
                             controller=controller)
@@ -248,6 +248,25 @@ def test_hybrid_copies_repeats_and_the_head_drafts_the_rest_losslessly(controlle
         # lookup drafted some passes (no head pass: draft_passes counts the head's), the
         # head the others
         assert controlled or 0 < stats.draft_passes < stats.target_passes - 1
+
+
+@pytest.mark.parametrize("controlled", [False, True])
+def test_hybrid_fills_the_context_without_a_pass_past_it(controlled):
+    """A copied run is as long as lookup found, longer than the head's γ of one: near the
+    end of the context it is cut to what the verify pass can hold (the toy target asserts
+    that its cache stays within max_len), and the output up to the last position is AR's."""
+    prompt = [0, 1, 2, 0, 1, 2, 0]
+    for seed in range(4):
+        target_table, draft_table = tables(seed)
+        for max_len in range(len(prompt) + 1, len(prompt) + 12):
+            rng = np.random.default_rng(seed)
+            greedy = SamplingParams(0.0)
+            ar = take(ar_decode(MarkovModel(target_table, max_len), prompt, greedy, rng,
+                                GenerationStats("ar")), max_len - len(prompt))
+            spec = take(hybrid_run(target_table, draft_table, greedy, rng,
+                                   GenerationStats("spec"), prompt, controlled, max_len),
+                        max_len - len(prompt))
+            assert spec == ar
 
 
 @pytest.mark.parametrize("controlled", [False, True])
@@ -1117,6 +1136,23 @@ def test_smollm2_copies_code_it_repeats_and_stays_ar(smollm2):
             drafted += spec.stats.drafted
             passes += spec.stats.target_passes - 1
         assert drafted > 1.5 * passes
+
+
+def test_smollm2_speculates_to_the_end_of_its_context(smollm2):
+    """An answer that runs into the context's end stops there with "length", the tokens
+    AR gives, in every mode: copies near the end are cut to the positions left."""
+    import edgespec
+
+    ids = None
+    for room in (5, 17, 40):
+        with edgespec.load(smollm2, context=160 + room) as engine:
+            ids = ids or engine.tokenizer.encode("def add(a, b):\n    return a + b\n" * 20)[:160]
+            ar = engine.generate(ids, max_new_tokens=1000, temperature=0, mode="ar")
+            assert ar.finish_reason == "length" and len(ar.token_ids) == room
+            for kwargs in ({}, {"draft_tokens": 3}, {"adaptive": True}, {"mode": "lookup"},
+                           {"tree_budget": 4}):
+                out = engine.generate(ids, max_new_tokens=1000, temperature=0, **kwargs)
+                assert (out.finish_reason, out.token_ids) == ("length", ar.token_ids), kwargs
 
 
 def test_smollm2_head_sampling_keeps_the_targets_distribution(smollm2):

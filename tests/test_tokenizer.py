@@ -75,6 +75,18 @@ def test_multibyte_characters_span_tokens(demo_tok):
     assert "".join(stream(demo_tok, ids)) == "🐍🚀👩‍💻"
 
 
+def test_a_character_cut_off_at_the_end_is_dropped_not_replaced(demo_tok):
+    """Tokens that stop inside a character (an answer's token budget ends mid-emoji) do
+    not end the text in U+FFFD: the stream holds whole characters up to the cut."""
+    ids = demo_tok.encode("ok 🐍🚀", add_special_tokens=False)
+    whole = len(demo_tok.encode("ok 🐍", add_special_tokens=False))
+    cut = [n for n in range(whole + 1, len(ids)) if demo_tok.decode(ids[:n]).endswith("\ufffd")]
+    assert cut  # the rocket really spans several tokens
+    for n in cut:
+        assert "".join(stream(demo_tok, ids[:n])) == "ok 🐍"
+    assert "".join(stream(demo_tok, ids)) == "ok 🐍🚀"
+
+
 def test_streaming_keeps_leading_spaces_with_metaspace(metaspace_tok):
     text = "hello world the quick brown fox"
     ids = metaspace_tok.encode(text)
