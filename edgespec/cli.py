@@ -658,12 +658,14 @@ def bench(model: str | None, runtime: dict, as_json: bool, prompt_set: str,
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def plan(bundle: Path | None, gpu_memory: int | None, context: int, bandwidth: int | None,
          threads: int, as_json: bool) -> None:
-    """Show where BUNDLE's parts would live under a GPU memory budget (default: the demo)."""
+    """Show where BUNDLE's parts would live under a GPU memory budget (BUNDLE: anything
+    --model takes, a .gguf file too; default: the demo)."""
     from edgespec.engine import demo_bundle
+    from edgespec.model_cache import resolve_model
     from edgespec.plan import plan_bundle, plan_dict, print_plan
 
-    result, assumed = plan_bundle(bundle or demo_bundle(), gpu_memory, context, bandwidth,
-                                  threads)
+    result, assumed = plan_bundle(resolve_model(bundle, err) or demo_bundle(), gpu_memory,
+                                  context, bandwidth, threads)
     if as_json:
         click.echo(json.dumps(plan_dict(result, assumed), indent=1))
     else:

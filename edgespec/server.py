@@ -142,12 +142,16 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         return error_response(e.status, e.message, e.kind, e.param, e.code)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
         loc = tuple(first.get("loc", ()))
         where = ".".join(str(x) for x in loc[1:]) or None
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON.")
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if loc == ("body",) and kind != "application/json":  # FastAPI read no JSON at all
+            return error_response(400, "the request body is read as JSON only with the "
+                                  "header Content-Type: application/json; send it.")
         if loc == ("body",) and first.get("type") != "value_error":
             return error_response(400, "the request body must be a JSON object.")
         message = str(first.get("msg")).removeprefix("Value error, ")

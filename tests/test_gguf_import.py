@@ -283,6 +283,9 @@ def test_model_option_takes_a_gguf_file_and_exports_it_once(tmp_path, bundles):
                                          "content": "What is the capital of France?"}])
     assert got["token_ids"] == engine.generate(ids, max_new_tokens=12).token_ids
     assert got["stats"]["mode"] == "spec"  # the head shipped for this file drafts
+    planned = cli("plan", str(smollm2_gguf()), "--gpu-memory", "2GiB", "--json", env=env)
+    assert planned.returncode == 0 and "exporting" not in planned.stderr, planned.stderr
+    assert json.loads(planned.stdout)["offload"] == "none"  # its cached bundle, whole
     # a cached file opens without the export's imports (onnx and ml_dtypes: 0.4 s)
     opened = subprocess.run(
         [sys.executable, "-c", "import sys, edgespec; edgespec.load(sys.argv[1]).generate("

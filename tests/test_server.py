@@ -3,6 +3,7 @@ requests for every kind of bad input, and a client that walks away mid-stream.""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -126,6 +127,15 @@ def test_bad_requests_get_openai_errors(server, kwargs, status, fragment):
     error = r.json()["error"]
     assert fragment in error["message"] and error["type"]
     assert httpx.get(f"{server}/health").status_code == 200  # still serving
+
+
+def test_a_json_body_without_its_content_type_is_told_which_header_to_send(server):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+    for headers in ({}, {"Content-Type": "text/plain"}):
+        r = httpx.post(f"{server}/v1/chat/completions", content=body, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}", **headers})
+        assert r.status_code == 400
+        assert "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 def test_unknown_route_is_a_json_404(server):
