@@ -442,7 +442,7 @@ def _read_line(prompt: str) -> str | None:
     return text[:-1] if text.endswith("\n") else None
 
 
-CHAT_HELP = ("commands: /reset (new conversation), /stats (last answer's numbers), "
+CHAT_HELP = ("commands: /help, /reset (new conversation), /stats (last answer's numbers), "
              "/mode ar|spec|lookup, /temp T, /statsline (toggle the line after answers), "
              "/exit or /quit; Ctrl-C stops an answer, Ctrl-D leaves")
 
@@ -522,7 +522,8 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
                 err.print(f"[dim]temperature {value:g}.[/dim]")
             continue
         if command.startswith("/"):
-            err.print(CHAT_HELP)
+            unknown = "" if command == "/help" else f"unknown command {escape(command)}; "
+            err.print(unknown + CHAT_HELP)
             continue
         if not line.strip():
             continue

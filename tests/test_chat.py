@@ -73,6 +73,13 @@ def test_chat_commands_say_what_they_did_and_refuse_bad_values(chat):
     chat.sendline("/statsline")
     chat.expect_exact("stats line off.")
     chat.expect_exact(PROMPT)
+    chat.sendline("/bogus")
+    chat.expect_exact("unknown command /bogus; commands: /help, /reset")
+    chat.expect_exact(PROMPT)
+    chat.sendline("/help")
+    chat.expect_exact("commands: /help")
+    assert "unknown" not in chat.before
+    chat.expect_exact(PROMPT)
     chat.sendline("/reset")
     chat.expect_exact("new conversation.")
     chat.expect_exact(PROMPT)
