@@ -75,7 +75,8 @@ def _row(group: list[GenerationStats]) -> dict[str, Any]:
     tokens = sum(s.new_tokens - 1 for s in group)
     drafted = sum(s.drafted for s in group)
     return {"tokens_per_s": tokens / decode_s if decode_s else 0.0,
-            "tokens_per_target_pass": tokens / max(1, sum(s.target_passes - 1 for s in group)),
+            "tokens_per_target_pass": sum(s.committed - 1 for s in group)
+            / max(1, sum(s.target_passes - 1 for s in group)),
             "acceptance": sum(s.accepted for s in group) / drafted if drafted else None,
             "new_tokens": sum(s.new_tokens for s in group),
             "prompt_tokens": sum(s.prompt_tokens for s in group) / len(group),

@@ -513,6 +513,7 @@ class Engine:
             offsets: list[int] = []
             text, finish = "", None
             for tok in step_tokens:
+                stats.committed += 1
                 if tok in self.eos_ids:
                     finish = "stop"
                     break

@@ -1138,6 +1138,22 @@ def test_smollm2_copies_code_it_repeats_and_stays_ar(smollm2):
         assert drafted > 1.5 * passes
 
 
+def test_smollm2_tokens_per_pass_count_the_end_token_a_pass_decided(smollm2):
+    """AR decides one token a pass, its end-of-sequence token too: 1.00 tokens/pass, not
+    (n-1)/n; speculation's rate counts the same tokens over its own passes."""
+    import edgespec
+
+    with edgespec.load(smollm2) as engine:
+        ids = engine.tokenizer.encode_chat([{"role": "user", "content": "What is 2+2?"}])
+        ar = engine.generate(ids, max_new_tokens=64, temperature=0, mode="ar")
+        spec = engine.generate(ids, max_new_tokens=64, temperature=0)
+        assert ar.finish_reason == spec.finish_reason == "stop"
+        assert ar.stats.tokens_per_target_pass == 1.0
+        assert spec.stats.committed == ar.stats.committed == len(ar.token_ids) + 1
+        assert spec.stats.tokens_per_target_pass == len(ar.token_ids) / (
+            spec.stats.target_passes - 1)
+
+
 def test_smollm2_speculates_to_the_end_of_its_context(smollm2):
     """An answer that runs into the context's end stops there with "length", the tokens
     AR gives, in every mode: copies near the end are cut to the positions left."""

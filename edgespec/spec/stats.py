@@ -12,6 +12,9 @@ class GenerationStats:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens whose KV was kept from the previous generation
     new_tokens: int = 0
+    # tokens the passes decided up to the finish: those handed out, those a stop string
+    # cut, and an end-of-sequence token, which ends the text but took a pass to decide
+    committed: int = 0
     target_passes: int = 0
     draft_passes: int = 0
     drafted: int = 0
@@ -33,7 +36,7 @@ class GenerationStats:
     def tokens_per_target_pass(self) -> float:
         """Tokens committed per decoding pass (the prefill pass, which commits one, excluded)."""
         decode_passes = self.target_passes - 1
-        return (self.new_tokens - 1) / decode_passes if decode_passes > 0 else 0.0
+        return (self.committed - 1) / decode_passes if decode_passes > 0 else 0.0
 
     @property
     def tokens_per_second(self) -> float:
