@@ -163,6 +163,19 @@ def test_chat_page_streams_answers_with_stats_and_stops(browser, server, engine)
     assert not [e for e in browser.get_log("browser") if "favicon" in e["message"]]
 
 
+def test_a_conversation_longer_than_the_context_is_told_to_start_over(browser, server):
+    browser.get(server + "/")
+    wait(browser, lambda: "edgespec-demo on cpu" in by_id(browser, "model").text)
+    if not by_id(browser, "api-key").get_attribute("value"):
+        by_id(browser, "api-key").send_keys(KEY)
+    long = "x = 1; " * 200  # ~1,000 tokens against the demo's 512
+    ask(browser, long)
+    wait(browser, lambda: "start a new chat" in by_id(browser, "error").text)
+    assert "context holds 512" in by_id(browser, "error").text
+    assert answers(browser) == [] and by_id(browser, "prompt").get_attribute("value") == \
+        long.strip()
+
+
 def test_page_assets_ship_in_the_package():
     from importlib.resources import files
 

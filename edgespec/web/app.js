@@ -55,7 +55,11 @@ async function errorText(response) {
   }
   try {
     const body = await response.json();
-    return body.error ? body.error.message : `HTTP ${response.status}`;
+    if (!body.error) return `HTTP ${response.status}`;
+    // the conversation outgrew the model: only a shorter one can go on
+    const tail = body.error.code === "context_length_exceeded"
+      ? " This conversation is too long for the model: start a new chat." : "";
+    return body.error.message + tail;
   } catch {
     return `HTTP ${response.status}`;
   }
