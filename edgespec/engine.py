@@ -296,16 +296,17 @@ class Engine:
         self._cached = []
 
     def close(self) -> None:
-        """Release the ONNX Runtime sessions and their KV buffers. A running generation is
-        cancelled first, and waited for unless this thread holds it open (a paused
-        stream, which then ends as cancelled); queued ones raise."""
+        """Release the ONNX Runtime sessions and their KV buffers, without waiting. An open
+        generation (running, or a stream paused in any thread) is cancelled and lets them
+        go when it ends: after its current pass, or when its stream is resumed or closed;
+        queued ones raise. Waiting instead would hang behind a stream nobody reads."""
         self._closed = True  # a generation still waiting for the lock will not start
         self._active.set()
-        if self._owner != threading.get_ident():
-            with self._busy:
+        if self._busy.acquire(blocking=False):  # none open: release them now
+            try:
                 self._release()
-        else:
-            self._release()
+            finally:
+                self._busy.release()
 
     def _release(self) -> None:
         self.target = self.draft = None  # type: ignore[assignment]
@@ -423,6 +424,8 @@ class Engine:
                 yield from self._records(prompt, config, cancel)
             finally:
                 self._owner = None
+                if self._closed:  # close() came while this one held the sessions
+                    self._release()
 
     def submit(self, prompt: str | list[int], on_text: Callable[[str], None] | None = None,
                on_done: Callable[[GenerationResult], None] | None = None,

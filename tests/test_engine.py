@@ -284,6 +284,30 @@ def test_close_cancels_the_running_job_refuses_queued_ones_and_frees_the_session
     assert target() is None  # nothing holds the target's session any more
 
 
+def test_close_from_another_thread_does_not_wait_for_a_paused_stream():
+    """A stream left unread holds the engine: close() from another thread (an app
+    shutting down) returns at once, and the sessions go when the stream ends."""
+    import gc
+    import weakref
+
+    engine = edgespec.load()
+    target = weakref.ref(engine.target.session)
+    stream = engine.records(PROMPTS[1], max_new_tokens=400, mode="ar")
+    first = next(stream)
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    closer.join(timeout=10)
+    assert not closer.is_alive()  # before: blocked until the stream was closed
+    rest = list(stream)  # resumed, it ends cancelled after the pass it begins
+    assert rest[-1].finish_reason == "cancelled"
+    assert len(first.tokens) + sum(len(r.tokens) for r in rest) < 400
+    del stream, first, rest
+    gc.collect()
+    assert target() is None
+    with pytest.raises(EdgespecError, match="was closed"):
+        engine.generate("x", max_new_tokens=3)
+
+
 def test_a_job_cancelled_while_queued_runs_nothing(engine):
     long = engine.submit(PROMPTS[1], max_new_tokens=400, mode="ar")
     while not engine._owner:  # it has started: the next job waits
