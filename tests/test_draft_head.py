@@ -50,9 +50,10 @@ class ToyHead:
     state it is handed belongs to the token before the one it comes with: the drafter's
     alignment of target states, its own states and tokens."""
 
-    def __init__(self, table: np.ndarray, kept: np.ndarray):
+    def __init__(self, table: np.ndarray, kept: np.ndarray, max_len: int = 1 << 20):
         self.table, self.kept = table, kept
         self.cache = ToyCache()
+        self.max_len = max_len  # as an exported head's, its target's context
         self.tokens: list[int] = []  # t_{j+1} at head position j
 
     def forward_head(self, ids, hidden):
@@ -63,6 +64,7 @@ class ToyHead:
             if j > 0:
                 assert int(np.argmax(state)) == self.tokens[j - 1]
         self.cache.length += len(ids)
+        assert self.cache.length <= self.max_len
         return self.table[np.asarray(ids)][:, self.kept], np.eye(V, dtype=np.float32)[ids]
 
 
@@ -219,13 +221,13 @@ def test_a_wrong_verifier_fails_the_head_tree_distribution_test(monkeypatch):
 
 
 def hybrid_run(target_table, draft_table, params, rng, stats, prompt=(0, 1, 2, 0, 1, 2, 0),
-               controlled=False, max_len=200):
+               controlled=False, max_len=200, head_gamma=1):
     """With `controlled`, a HybridController picks each pass's source from timings that
     are noise here: whatever it picks, the output must be the target's."""
     target = FeatureMarkov(target_table, max_len)
-    controller = HybridController(4) if controlled else None
-    drafter = HybridDrafter(HeadDrafter(ToyHead(draft_table, KEPT), target, KEPT, V), 4,
-                            controller=controller)
+    controller = HybridController(4, head_gamma) if controlled else None
+    drafter = HybridDrafter(HeadDrafter(ToyHead(draft_table, KEPT, max_len), target, KEPT, V),
+                            4, controller=controller)
     return chain_decode(target, drafter, list(prompt), params, 1, rng, stats, controller)
 
 
@@ -252,9 +254,10 @@ def test_hybrid_copies_repeats_and_the_head_drafts_the_rest_losslessly(controlle
 
 @pytest.mark.parametrize("controlled", [False, True])
 def test_hybrid_fills_the_context_without_a_pass_past_it(controlled):
-    """A copied run is as long as lookup found, longer than the head's γ of one: near the
-    end of the context it is cut to what the verify pass can hold (the toy target asserts
-    that its cache stays within max_len), and the output up to the last position is AR's."""
+    """A copied run is as long as lookup found, longer than the head's γ of one, and a
+    controller picks its own γ: near the end of the context both are cut to what the
+    verify pass can hold (the toy target and head assert that their caches stay within
+    max_len), and the output up to the last position is AR's."""
     prompt = [0, 1, 2, 0, 1, 2, 0]
     for seed in range(4):
         target_table, draft_table = tables(seed)
@@ -264,7 +267,8 @@ def test_hybrid_fills_the_context_without_a_pass_past_it(controlled):
             ar = take(ar_decode(MarkovModel(target_table, max_len), prompt, greedy, rng,
                                 GenerationStats("ar")), max_len - len(prompt))
             spec = take(hybrid_run(target_table, draft_table, greedy, rng,
-                                   GenerationStats("spec"), prompt, controlled, max_len),
+                                   GenerationStats("spec"), prompt, controlled, max_len,
+                                   head_gamma=4),  # the engine's adaptive default
                         max_len - len(prompt))
             assert spec == ar
 

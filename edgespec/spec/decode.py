@@ -73,12 +73,10 @@ def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: Sampli
     tokens = [*ids, prefill(target, ids, params, rng, stats, on_logits)]
     yield tokens[-1:]
     while True:
-        room = target.max_len - len(tokens)  # drafts the verify pass can hold
-        g = min(controller.gamma() if controller else gamma, room)
+        g = controller.gamma() if controller else gamma
+        g = min(g, target.max_len - len(tokens))  # the verify pass must fit
         t0 = time.perf_counter()
         proposals, q = drafter.propose(tokens, g, params, rng, stats)
-        if len(proposals) > room:  # a copy runs as long as it found, past γ
-            proposals, q = proposals[:room], None if q is None else q[:room]
         t1 = time.perf_counter()
         logits = target.forward(tokens[target.cache.length:] + proposals)
         stats.target_passes += 1

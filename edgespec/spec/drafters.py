@@ -269,9 +269,13 @@ class HybridDrafter:
         self.head.reset()
 
     def propose(self, tokens, n, params, rng, stats):
-        found = lookup(np.asarray(tokens), self.lookup_tokens, 3, self.min_ngram)
+        # a copy is as long as it runs and the controller picks its own γ, so both keep
+        # to the positions the verify pass (and the head's cache) have left
+        room = self.head.target.max_len - len(tokens)
+        found = lookup(np.asarray(tokens), min(room, self.lookup_tokens), 3, self.min_ngram)
         if self.controller is not None:
             source, n = self.controller.plan(len(found))
+            n = min(n, room)
         elif found:
             source, n = "copy", len(found)
         else:
