@@ -66,7 +66,16 @@ class StreamOptions(Strict):
 StopField = (str | list[str] | None)
 
 
+# sampling settings other servers take beyond OpenAI's, at the values that change nothing;
+# any other value is refused, not ignored (unknown fields are ignored, as OpenAI's own)
+FOREIGN_NEUTRAL: dict[str, Any] = {
+    "min_p": 0, "typical_p": 1, "tfs_z": 1, "top_a": 0, "repetition_penalty": 1,
+    "repeat_penalty": 1, "length_penalty": 1, "min_tokens": 0, "ignore_eos": False,
+    "stop_token_ids": [], "mirostat": 0, "use_beam_search": False}
+
+
 class Sampling(Strict):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -82,6 +91,7 @@ class Sampling(Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     mode: Literal["ar", "spec", "lookup"] | None = None  # extension: the decoding mode
+    top_k: int | None = Field(default=None, ge=0)  # extension, as vLLM and llama.cpp take it
 
     @model_validator(mode="before")
     @classmethod
@@ -110,6 +120,9 @@ class Sampling(Strict):
                 raise UnsupportedError(name, f"{name} is not supported; leave it out or 0.")
         if self.logit_bias:
             raise UnsupportedError("logit_bias", "logit_bias is not supported.")
+        for name, value in (self.model_extra or {}).items():
+            if name in FOREIGN_NEUTRAL and value not in (None, FOREIGN_NEUTRAL[name]):
+                raise UnsupportedError(name, f"{name} is not supported; leave it out.")
 
 
 class ChatRequest(Sampling):

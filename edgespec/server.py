@@ -198,7 +198,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         config = GenerationConfig(
             max_new_tokens=min(wanted, room),
             temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop=req.stops(),
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            seed=req.seed, stop=req.stops(),
             mode=req.mode or default_mode, logprobs=logprobs)
         try:
             config = engine.settings(config)

@@ -85,6 +85,30 @@ def test_completion_with_stop_and_seed(client):
     assert a == b
 
 
+def test_top_k_reaches_the_sampler_and_other_servers_extras_are_refused(client, engine):
+    """top_k, which vLLM and llama.cpp's server take beyond OpenAI's fields, samples from
+    the k best tokens: k = 1 at a high temperature is the greedy answer, for any seed.
+    Their other sampling settings are refused unless neutral, never ignored."""
+    greedy = engine.generate("def quicksort(items):", max_new_tokens=24, mode="ar").text
+    for seed in range(3):
+        r = client.completions.create(model=MODEL, prompt="def quicksort(items):",
+                                      max_tokens=24, temperature=1.5, seed=seed,
+                                      extra_body={"top_k": 1})
+        assert r.choices[0].text == greedy
+    hot = {client.completions.create(model=MODEL, prompt="def quicksort(items):",
+                                     max_tokens=24, temperature=1.5, seed=seed
+                                     ).choices[0].text for seed in range(3)}
+    assert hot != {greedy}  # without top_k, the temperature is felt
+    for extra in ({"min_p": 0.1}, {"repetition_penalty": 1.2}, {"ignore_eos": True}):
+        with pytest.raises(openai.BadRequestError, match=f"{next(iter(extra))} is not"):
+            client.completions.create(model=MODEL, prompt="x", max_tokens=4,
+                                      extra_body=extra)
+    neutral = client.completions.create(model=MODEL, prompt="def quicksort(items):",
+                                        max_tokens=24, temperature=0,
+                                        extra_body={"min_p": 0, "repetition_penalty": 1})
+    assert neutral.choices[0].text == greedy
+
+
 def test_completion_streaming(client):
     stream = client.completions.create(model=MODEL, prompt="class A:", max_tokens=20,
                                        temperature=0, stream=True)
