@@ -19,6 +19,7 @@ from rich.markup import escape
 from edgespec.errors import EdgespecError
 from edgespec.runtimes import pool
 from edgespec.runtimes.providers import DEVICES
+from edgespec.spec.logprobs import MAX_TOP_LOGPROBS
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -375,15 +376,20 @@ def vocab_trim(bundle: Path, k: int, trim_source: str) -> None:
 @click.option("--chat", "as_chat", is_flag=True,
               help="PROMPT is a user message: answer it through the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--logprobs", type=click.IntRange(0, MAX_TOP_LOGPROBS),
+              help="With --json: each token's target log-probability and its K best "
+                   "alternatives.")
 def generate(prompt: str | None, model: str | None, max_new_tokens: int, temperature: float,
              top_p: float, top_k: int, seed: int | None, stop: tuple[str, ...], mode: str,
              draft_tokens: int | None,
              tree_budget: int, adaptive: bool, stop_rule: str, runtime: dict,
-             as_chat: bool, as_json: bool) -> None:
+             as_chat: bool, as_json: bool, logprobs: int | None) -> None:
     """Continue PROMPT (or stdin) with the model, or answer it (--chat)."""
     from edgespec.engine import GenerationConfig
     from edgespec.tokenizer import NO_TEMPLATE
 
+    if logprobs is not None and not as_json:
+        raise EdgespecError("--logprobs goes with --json, which prints them; add --json.")
     if prompt is None:
         if sys.stdin.isatty():
             raise EdgespecError("give a prompt as an argument or on stdin.")
@@ -396,7 +402,7 @@ def generate(prompt: str | None, model: str | None, max_new_tokens: int, tempera
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop), mode=mode,
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
-                              adaptive=adaptive, stop_rule=stop_rule)
+                              adaptive=adaptive, stop_rule=stop_rule, logprobs=logprobs)
     config.validate(engine.draft is not None)
     if as_chat and not engine.tokenizer.chat_template:
         raise EdgespecError(f"{NO_TEMPLATE}; leave out --chat to have it continue the prompt.")

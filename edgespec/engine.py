@@ -153,10 +153,15 @@ class GenerationResult:
     stats: GenerationStats
     # "stop" (EOS or a stop string), "length" (max_new_tokens or context), "cancelled"
     finish_reason: str = "length"
+    logprobs: list[TokenLogprob] | None = None  # one per token id, with `logprobs=K`
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids,
+               "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": e.token, "logprob": e.logprob,
+                                "top": [[t, lp] for t, lp in e.top]} for e in self.logprobs]
+        return out
 
 
 @dataclass
@@ -573,15 +578,18 @@ class Engine:
                  on_text: Callable[[str], None] | None = None) -> GenerationResult:
         token_ids: list[int] = []
         text: list[str] = []
+        logprobs: list[TokenLogprob] = []
         record = None
         for record in records:
             token_ids += record.tokens
             text.append(record.text)
+            logprobs += record.logprobs or []
             if on_text and record.text:
                 on_text(record.text)
         assert record is not None
         return GenerationResult("".join(text), token_ids, record.stats,
-                                record.finish_reason or "length")
+                                record.finish_reason or "length",
+                                logprobs if record.logprobs is not None else None)
 
 
 class Job:

@@ -33,8 +33,11 @@ def test_generate_json_on_demo_bundle():
                            "--json").stdout)
     assert again["token_ids"] == result["token_ids"] and again["text"] == result["text"]
     ar = json.loads(run("generate", "def quicksort(items):", "--max-new-tokens", "48",
-                        "--json", "--mode", "ar").stdout)
-    assert ar["token_ids"] == result["token_ids"]
+                        "--json", "--mode", "ar", "--logprobs", "2").stdout)
+    assert ar["token_ids"] == result["token_ids"] and "logprobs" not in result
+    assert [e["token"] for e in ar["logprobs"]] == ar["token_ids"]
+    assert all(len(e["top"]) == 2 and e["top"][0][1] >= e["logprob"] for e in ar["logprobs"])
+    assert_user_error(run("generate", "x", "--logprobs", "2"), "--json")
 
 
 def test_generate_streams_prompt_and_continuation():

@@ -355,6 +355,25 @@ def test_stop_strings(engine, drafter):
 
 
 
+def test_generate_returns_the_targets_logprobs_it_was_asked_for(engine):
+    """`generate(logprobs=K)` keeps what each step reported: per token, the target's
+    log-softmax (checked against one target pass over the whole answer) and K others."""
+    from edgespec.spec.logprobs import log_softmax
+
+    spec = engine.generate(PROMPTS[1], max_new_tokens=24, logprobs=3)
+    assert engine.generate(PROMPTS[1], max_new_tokens=24).logprobs is None
+    ids = engine.encode_prompt(PROMPTS[1])
+    engine.target.cache.reset()
+    engine.reset()
+    rows = log_softmax(engine.target.forward(ids + spec.token_ids[:-1])[len(ids) - 1:])
+    assert [e.token for e in spec.logprobs] == spec.token_ids
+    for row, entry in zip(rows, spec.logprobs, strict=True):
+        assert entry.logprob == pytest.approx(row[entry.token], abs=1e-4)
+        assert [t for t, _ in entry.top] == list(np.argsort(-row)[:3])
+    out = spec.to_dict()["logprobs"]
+    assert [e["token"] for e in out] == spec.token_ids and len(out[0]["top"]) == 3
+
+
 @pytest.mark.parametrize("drafter", ["chain3", "lookup"])
 def test_a_stop_strings_tokens_go_with_it(engine, drafter):
     """Token ids and logprobs end with the token whose text the cut text ends in: the
