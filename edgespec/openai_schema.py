@@ -148,10 +148,13 @@ class ChatRequest(Sampling):
             if m.tool_calls:
                 raise UnsupportedError(f"messages[{i}].tool_calls",
                                        "tool calls are not supported.")
-            for part in m.content if isinstance(m.content, list) else ():
-                if part.type != "text" or not isinstance(part.text, str):
+            for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
+                if part.type != "text":
                     raise UnsupportedError(f"messages[{i}].content", "only text content "
                                            f"parts are supported, not '{part.type}'.")
+                if not isinstance(part.text, str):
+                    raise UnsupportedError(f"messages[{i}].content[{j}].text", "a text part "
+                                           "needs its text (a string).")
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages as chat templates take them: string content, `developer` is the

@@ -260,6 +260,9 @@ def test_prompt_as_a_list_or_token_ids(server, engine):
     ({"messages": [{"role": "user", "content": [{"type": "image_url",
                                                  "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                                {"type": "text"}]}]},
+     "messages[0].content[1].text"),
 ])
 def test_unsupported_features_are_refused_not_ignored(server, extra, param):
     r = post(server, "/v1/chat/completions", {**chat([{"role": "user", "content": "x"}]),
