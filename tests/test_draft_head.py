@@ -853,10 +853,15 @@ def test_train_draft_starts_from_a_trained_head_and_refuses_another_models(
 
 def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):
     import edgespec
+    from edgespec.bundle import read_manifest
     from edgespec.export import export
 
     path, _ = tiny
     export(path, tmp_path / "b", draft=trained)  # int8, accuracy level 4: the default
+    # the head gathers the target's own (requantized) embedding codes: one copy on disk
+    draft = read_manifest(tmp_path / "b").draft
+    assert "target.onnx.data" in draft.data_files
+    assert (tmp_path / "b" / "draft.onnx.data").stat().st_size < 4096 * 64  # < the table
     with edgespec.load(tmp_path / "b") as engine:
         assert engine.default_mode == "spec"
         for prompt in ("def parse(text):", "x = [1, 2, 3]\nfor"):

@@ -11,6 +11,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -22,7 +23,7 @@ from rich.table import Table
 from edgespec import __version__, kernels
 from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
 from edgespec.errors import EdgespecError
-from edgespec.export.architectures import adapter_for
+from edgespec.export.architectures import Weight, adapter_for
 from edgespec.export.calibrate import add_stat_outputs, second_moments
 from edgespec.export.draft_head import (
     build_head_graph,
@@ -95,6 +96,16 @@ def uses_recipe(quant: str, precision: str, ep_profile: str, nested: bool) -> bo
     return quant == "k" and precision in ("int4", "int8") and not nested and ep_profile != "dml"
 
 
+class Built(NamedTuple):
+    """An exported model's manifest entry, and the embedding and LM head its graph holds
+    as built (requantized where the recipe ran): a draft head gathers and scores with the
+    very same codes, so its bundle keeps one copy. None when rotated: those are in another
+    basis than the states a head reads."""
+
+    entry: ModelEntry
+    tables: tuple[Weight, Weight] | None
+
+
 def _export_model(source: Source, role: str, out: Path, precision: str, block_size: int,
                   accuracy_level: int, ep_profile: str, quant: str,
                   progress: Progress, head_rows: np.ndarray | None = None,
@@ -103,7 +114,7 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
                   kv_scales: list[tuple[np.ndarray, np.ndarray]] | None = None,
                   hidden_output: bool = False, stats: bool = False,
                   hessians: dict[str, np.ndarray] | None = None,
-                  kv_half: bool | None = False) -> ModelEntry:
+                  kv_half: bool | None = False) -> Built:
     """One model's graph and weights at `out/role.onnx`. `quant`: "k" (the GGUF recipe
     where it applies), "sym", "asym" or "rot" (rotated); k and rot take GPTQ's codes
     where `hessians` has the input's XᵀX (calibrate); `stats` adds calibrate's XᵀX
@@ -155,7 +166,7 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
     progress.update(task, completed=spec.num_layers + 1, description=f"{role}: done")
     if getattr(ckpt, "keep_codes", False) and ckpt.quantized and not nested and not rotated:
         precision = "gguf"  # every quantized tensor kept its own GGUF type
-    return ModelEntry(
+    return Built(ModelEntry(
         graph=f"{role}.onnx", data_files=[f"{role}.onnx.data"],
         architecture=spec.architecture, precision=precision,
         block_size=(None if precision in ("fp32", "fp16", "gguf") or recipe or rotated
@@ -166,7 +177,8 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
         head_dim=kv_head_dim(spec, attention),
         max_positions=spec.max_positions, params=params, source=source.name,
-        nested="target" if nested == "shared" else "")
+        nested="target" if nested == "shared" else ""),
+        None if rotated else (embeddings, head))
 
 
 def kv_dtype_of(model: onnx.ModelProto) -> str:
@@ -184,17 +196,19 @@ def _save(model: onnx.ModelProto, out: Path, role: str) -> None:
                     size_threshold=1024)
 
 
-def _export_head(head_path: Path, source: Source, out: Path, precision: str, block_size: int,
-                 accuracy_level: int, ep_profile: str, progress: Progress) -> ModelEntry:
-    """An EAGLE draft head (export.draft_head) around the target's embedding and head."""
+def _export_head(head_path: Path, source: Source, target: Built, out: Path, precision: str,
+                 block_size: int, accuracy_level: int, ep_profile: str,
+                 progress: Progress) -> ModelEntry:
+    """An EAGLE draft head (export.draft_head) around the target's embedding and head, as
+    the target's graph holds them."""
     task = progress.add_task(f"draft head: {head_path.name}", total=None)
     head = load_head(head_path)
     adapter = adapter_for(source.load())
-    embeddings = adapter.embeddings()
+    embeddings, lm_head = target.tables or (adapter.embeddings(), adapter.lm_head())
     check_fits(head, adapter.spec, embeddings, head_path)
     if precision == "gguf" or precision not in EXPORTED_PRECISIONS:
         precision = "int8"  # the head's own float weights; the target's codes stay theirs
-    model = build_head_graph(head, adapter.spec, embeddings, adapter.lm_head(), precision,
+    model = build_head_graph(head, adapter.spec, embeddings, lm_head, precision,
                              block_size=block_size, accuracy_level=accuracy_level,
                              dtype=PROFILE_DTYPE[ep_profile],
                              attention=PROFILE_ATTENTION[ep_profile])
@@ -242,7 +256,7 @@ def _rotated_hessians(tmp: Path, source: Source, calibration: str | Path,
     """_hessians on the rotated float model, whose inputs are what `--quant rot`'s int8
     weights multiply; the calibration graph is removed afterwards."""
     graph = _export_model(source, "calibration", tmp, "fp32", 32, 0, "cpu", "rot", progress,
-                          stats=True)
+                          stats=True).entry
     try:
         return _hessians(tmp, graph, source, calibration, progress)
     finally:
@@ -435,16 +449,18 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             if recipe or quant == "rot" and precision != "fp32":
                 # the recipe calibrates on the reference itself (statistics outputs)
                 reference = _export_model(target_src, "reference", tmp, "fp32", 32, 0, "cpu",
-                                          "sym", progress, stats=recipe and bool(calibration))
+                                          "sym", progress,
+                                          stats=recipe and bool(calibration)).entry
             if calibration and recipe:
                 hessians = _hessians(tmp, reference, target_src, calibration, progress)
             elif calibration and quant == "rot" and precision == "int8":
                 hessians = _rotated_hessians(tmp, target_src, calibration, progress)
-            target_entry = _export_model(target_src, "target", tmp, precision, block_size,
-                                         accuracy_level, ep_profile, quant, progress,
-                                         nested="shared" if nested else None,
-                                         hidden_output=head is not None, hessians=hessians,
-                                         kv_half=kv_half)
+            target = _export_model(target_src, "target", tmp, precision, block_size,
+                                   accuracy_level, ep_profile, quant, progress,
+                                   nested="shared" if nested else None,
+                                   hidden_output=head is not None, hessians=hessians,
+                                   kv_half=kv_half)
+            target_entry = target.entry
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
                     if (draft_src or nested) and vocab_trim else None)
@@ -458,32 +474,33 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                     default_prompts())
                 progress.update(task, total=1, completed=1)
             if target_scales is not None or (kept is not None and nested):
-                target_entry = _export_model(target_src, "target", tmp, precision, block_size,
-                                             accuracy_level, ep_profile, quant, progress,
-                                             nested="shared" if nested else None,
-                                             draft_head_rows=kept if nested else None,
-                                             kv_scales=target_scales,
-                                             hidden_output=head is not None,
-                                             hessians=hessians, kv_half=kv_half)
+                target = _export_model(target_src, "target", tmp, precision, block_size,
+                                       accuracy_level, ep_profile, quant, progress,
+                                       nested="shared" if nested else None,
+                                       draft_head_rows=kept if nested else None,
+                                       kv_scales=target_scales,
+                                       hidden_output=head is not None,
+                                       hessians=hessians, kv_half=kv_half)
+                target_entry = target.entry
             quality = None
             if reference:
                 quality = _quality(tmp, target_entry, reference, ep_profile, target_dir,
                                    progress)
             draft_entry = None
             if head is not None:
-                draft_entry = _export_head(head, target_src, tmp,
+                draft_entry = _export_head(head, target_src, target, tmp,
                                            head_precision or target_entry.precision,
                                            block_size, accuracy_level, ep_profile, progress)
             if draft_src:
                 draft_entry = _export_model(draft_src, "draft", tmp, draft_precision,
                                             block_size, accuracy_level, ep_profile, quant,
-                                            progress, head_rows=kept, kv_half=kv_half)
+                                            progress, head_rows=kept, kv_half=kv_half).entry
             # the draft meets the target's text; a head's one-layer cache stays float
             if draft_src and sequences is not None:
                 draft_entry = _export_model(
                     draft_src, "draft", tmp, draft_precision, block_size, accuracy_level,
                     ep_profile, quant, progress, head_rows=kept,
-                    kv_scales=kv_scales(tmp / draft_entry.graph, draft_entry, sequences))
+                    kv_scales=kv_scales(tmp / draft_entry.graph, draft_entry, sequences)).entry
             if nested:  # the same graph and weights, read without the residual
                 draft_entry = dataclasses.replace(
                     target_entry, precision="int4", nested="draft",
