@@ -226,15 +226,17 @@ def _replaceable(out: Path) -> None:
     """--overwrite replaces an edgespec bundle and nothing else: not a file, not a
     checkpoint directory (`export ck --out ck --overwrite` once deleted the weights)."""
     if not out.is_dir():
-        raise EdgespecError(f"{out} is a file, not a bundle; --overwrite replaces only an "
-                            "edgespec bundle directory, so choose another --out.")
+        raise EdgespecError(f"{out} is a file, not a bundle; an export replaces only an "
+                            "edgespec bundle directory (with --overwrite), so choose "
+                            "another --out.")
     try:
         is_bundle = json.loads((out / MANIFEST).read_text()).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         is_bundle = False
     if not is_bundle:
-        raise EdgespecError(f"{out} is not an edgespec bundle (no valid {MANIFEST}); "
-                            "--overwrite replaces only bundles, so choose another --out.")
+        raise EdgespecError(f"{out} is not an edgespec bundle (no valid {MANIFEST}); an "
+                            "export replaces only bundles (with --overwrite), so choose "
+                            "another --out.")
 
 
 @contextmanager
@@ -270,10 +272,13 @@ def write_bundle(out: Path | str, overwrite: bool = False) -> Iterator[tuple[Pat
 
 @contextmanager
 def _write_bundle(out: Path, overwrite: bool) -> Iterator[tuple[Path, Callable]]:
-    if out.exists() and not overwrite:
-        raise EdgespecError(f"{out} already exists; choose another --out or pass --overwrite.")
-    if out.exists():
-        _replaceable(out)
+    if out.is_dir() and not any(out.iterdir()):
+        pass  # an empty folder made for it: taken as it is
+    elif out.exists():
+        _replaceable(out)  # refused outright unless it is a bundle
+        if not overwrite:
+            raise EdgespecError(f"{out} already holds a bundle; pass --overwrite to replace "
+                                "it or choose another --out.")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     finished: list[Manifest] = []

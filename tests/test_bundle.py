@@ -156,7 +156,7 @@ def test_write_without_finish_leaves_nothing(tmp_path):
 
 def test_existing_output_needs_overwrite(tmp_path):
     make_bundle(tmp_path / "b")
-    with pytest.raises(EdgespecError, match="already exists.*--overwrite"):
+    with pytest.raises(EdgespecError, match="already holds a bundle; pass --overwrite"):
         make_bundle(tmp_path / "b")
     with write_bundle(tmp_path / "b", overwrite=True) as (tmp, finish):
         (tmp / "target.onnx").write_bytes(b"new")

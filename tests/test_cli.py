@@ -120,10 +120,18 @@ def test_bad_flag_value_is_a_usage_error():
     assert "--temperature" in out.stderr
 
 
-def test_export_refuses_existing_output(tmp_path, demo_target):
+def test_export_takes_an_empty_folder_and_refuses_one_with_files(tmp_path, demo_target):
     (tmp_path / "b").mkdir()
+    assert run("export", str(demo_target), "--out", str(tmp_path / "b")).returncode == 0
+    assert (tmp_path / "b" / "edgespec.json").is_file()
     assert_user_error(run("export", str(demo_target), "--out", str(tmp_path / "b")),
-                      "already exists")
+                      "already holds a bundle; pass --overwrite")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "notes.txt").write_text("keep me")
+    refused = run("export", str(demo_target), "--out", str(tmp_path / "c"))
+    assert_user_error(refused, "not an edgespec bundle")  # not told to pass --overwrite
+    assert "pass --overwrite" not in refused.stderr
+    assert [p.name for p in (tmp_path / "c").iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.parametrize("flags", [["--precision", "int4"], ["--ep-profile", "cuda"],
