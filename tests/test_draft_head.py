@@ -985,6 +985,13 @@ def test_a_head_for_another_model_is_refused(tiny, trained, tmp_path, demo_targe
         export(demo_target, tmp_path / "b", draft=trained)
     assert not (tmp_path / "b").exists()
     path, _ = tiny
+    with np.load(trained) as z:  # the same width, but tokens the target does not have
+        fields = {k: z[k] for k in z.files}
+    fields["kept"] = fields["kept"].copy()
+    fields["kept"][-1] = 4096
+    np.savez(tmp_path / "wide.npz", **fields)
+    with pytest.raises(EdgespecError, match="keeps token 4096, past this target's vocabulary"):
+        export(path, tmp_path / "b", draft=tmp_path / "wide.npz")
     with pytest.raises(EdgespecError, match="leave out --vocab-trim"):
         export(path, tmp_path / "b", draft=trained, vocab_trim=100)
     bogus = tmp_path / "bogus.npz"

@@ -161,10 +161,14 @@ def shipped_head(embeddings: Weight) -> Path | None:
 
 def check_fits(head: DraftHead, spec: DecoderSpec, embeddings: Weight, path: Path) -> None:
     """A head drafts only for the target it was trained on: same width, same weights."""
-    if head.config.hidden_size != spec.hidden_size or head.kept.max() >= spec.vocab_size:
+    if head.config.hidden_size != spec.hidden_size:
         raise EdgespecError(f"the draft head {path} was trained for a model of width "
                             f"{head.config.hidden_size}, not this target's "
                             f"{spec.hidden_size}; train one with `edgespec train-draft`.")
+    if head.kept.max() >= spec.vocab_size:
+        raise EdgespecError(f"the draft head {path} keeps token {head.kept.max()}, past this "
+                            f"target's vocabulary of {spec.vocab_size}; train one with "
+                            "`edgespec train-draft`.")
     if not matches(fingerprint(embeddings), head.fingerprint):
         raise EdgespecError(f"the draft head {path} was trained on another model (its "
                             "fingerprint does not match this target's weights); train one "
