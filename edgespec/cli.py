@@ -165,12 +165,14 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     from edgespec.export import export as run_export
     from edgespec.export.source import is_gguf
 
-    given = click.get_current_context().get_parameter_source("precision")
-    if (is_gguf(Path(target)) and not requantize and quant != "rot"  # rot dequantizes all
-            and given != click.core.ParameterSource.DEFAULT):
-        err.print(f"note: {target}'s quantized tensors keep their GGUF types; --precision "
-                  "applies to its float tensors only (add --requantize to quantize every "
-                  f"tensor to {precision}).", highlight=False)
+    ctx = click.get_current_context()
+    given = [f"--{name.replace('_', '-')}" for name in ("precision", "quant", "block_size",
+                                                        "calibration")
+             if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
+    if is_gguf(Path(target)) and not requantize and quant != "rot" and given:  # rot: all
+        err.print(f"note: {target}'s quantized tensors keep their GGUF types; "
+                  f"{' and '.join(given)} apply to its float tensors only (add --requantize "
+                  f"to quantize every tensor to {precision}).", highlight=False)
     for source in (target, draft):
         if source and out.exists() and Path(source).exists() and \
                 Path(source).resolve().is_relative_to(out.resolve()):
