@@ -311,8 +311,9 @@ def _check_export_options(target: str, draft: str | None, precision: str,
     given = click.get_current_context().get_parameter_source("trim_source")
     conflicts = [
         (vocab_trim and not draft,
-         "--vocab-trim trims the draft's LM head, but no --draft was given; add --draft or "
-         "leave --vocab-trim out."),
+         "--vocab-trim trims a draft model's LM head, and no --draft model was given (a "
+         "draft head, as the one shipped for a model, keeps the tokens it was trained on); "
+         "add --draft or leave --vocab-trim out."),
         (draft == "none" and (vocab_trim or draft_precision),
          "--vocab-trim and --draft-precision shape the draft, but --draft none makes none; "
          "leave them out."),

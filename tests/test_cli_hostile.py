@@ -157,7 +157,7 @@ def test_vocab_trim_on_an_empty_corpus(tmp_path, bundle_copy):
 
 def test_vocab_trim_flag_without_a_draft(tmp_path, checkpoint):
     assert_user_error(run("export", str(checkpoint), "--out", str(tmp_path / "b"),
-                          "--vocab-trim", "100"), "no --draft was given")
+                          "--vocab-trim", "100"), "no --draft model was given")
     assert not (tmp_path / "b").exists()
 
 

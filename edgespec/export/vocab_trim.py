@@ -200,7 +200,7 @@ def retrim_bundle(bundle: Path, k: int, source: str = "target",
     current = (np.load(bundle / m.vocab_map) if m.vocab_map
                else np.arange(m.draft.vocab_size))
     if k >= len(current):
-        raise EdgespecError(f"the draft head already keeps {len(current)} tokens; "
+        raise EdgespecError(f"the draft's LM head already keeps {len(current)} tokens; "
                             f"re-export from the checkpoint to keep {k}.")
     check_trim_source(source)
     counts = vocab_counts(bundle / m.target.graph, m.target, bundle, source, prompts)
