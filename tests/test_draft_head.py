@@ -774,6 +774,13 @@ def test_interrupted_training_resumes_from_its_checkpoint_to_the_same_head(
     assert "resuming the head's training at step 2 of 5" in console.export_text()
     for name, value in whole.weights.items():
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
+    from dataclasses import replace
+
+    from edgespec.errors import EdgespecError
+
+    with pytest.raises(EdgespecError, match=r"trained with other options \(steps, lr\)"):
+        trainer.train_draft(source, tmp_path / "c.npz", tmp_path / "b", ["def f(x):"],
+                            replace(opts, steps=6, lr=2e-3))
 
 def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_path):
     from tests.test_cli import run
@@ -849,6 +856,7 @@ def test_train_draft_starts_from_a_trained_head_and_refuses_another_models(
                   str(init), env=env, timeout=600)
         assert out.returncode != 0 and re.search(message, out.stderr), out.stderr
         assert "Traceback" not in out.stderr and not (tmp_path / "x.npz").exists()
+        assert not (tmp_path / "x.work").exists()  # refused before any work is kept
 
 
 def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):

@@ -355,7 +355,6 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     """`texts`: what the target reads besides answering (data.read_texts)."""
     console = console or Console(stderr=True)
     opts = opts or TrainOptions()
-    work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(opts.seed)
     rng = np.random.default_rng(opts.seed)
     started = time.time()
@@ -365,6 +364,7 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     start = load_head(opts.init) if opts.init else None
     if start is not None:  # before any work: a head for another model is refused
         check_fits(start, spec, embeddings, Path(opts.init))
+    work.mkdir(parents=True, exist_ok=True)
     prompts = prompts or data.builtin_prompts()
     asked = task_requests(opts.seed, opts.tasks, texts or (), opts.task_chars) \
         if opts.tasks else []
@@ -399,9 +399,11 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     checkpoint = work / "head.pt"
     if resume and checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=False, map_location=opts.device)
-        if saved["opts"] != asdict(opts):
-            raise EdgespecError(f"{checkpoint} was trained with other options; pass the same "
-                                "ones, or another --work directory to start afresh.")
+        differ = [k for k, v in asdict(opts).items() if saved["opts"].get(k) != v]
+        if differ:
+            raise EdgespecError(f"{checkpoint} was trained with other options ("
+                                f"{', '.join(differ)}); pass the same ones, or another --work "
+                                "directory to start afresh.")
         head.load_state_dict(saved["head"])
         optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
