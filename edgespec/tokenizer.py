@@ -246,12 +246,16 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Whatever is still held back, less a character the last tokens left incomplete
         (an answer cut off by its token budget in the middle of an emoji): its bytes are
-        no character, and decoding them would end the text in U+FFFD."""
+        no character, and decoding them would end the text in U+FFFD, once for a
+        byte-level decoder and once per byte for SentencePiece's byte fallback."""
         prefix_text = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         text = self._tok.decode(self._ids[self._prefix:], self._skip)
         held = b"".join(self._tok.token_bytes(i) for i in self._ids[self._read:])
         self._prefix = self._read = len(self._ids)
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         decoder.decode(held)
-        cut = bool(decoder.getstate()[0]) and text.endswith("\ufffd")
+        pending = len(decoder.getstate()[0])
+        cut = min(pending, 1) if self._tok._byte_level else pending
+        if not text.endswith("\ufffd" * cut):
+            cut = 0
         return text[len(prefix_text):len(text) - cut]

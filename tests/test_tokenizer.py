@@ -87,6 +87,27 @@ def test_a_character_cut_off_at_the_end_is_dropped_not_replaced(demo_tok):
     assert "".join(stream(demo_tok, ids)) == "ok 🐍🚀"
 
 
+def test_a_cut_off_character_is_dropped_with_byte_fallback_too(tmp_path):
+    """SentencePiece's byte fallback (Gemma 3's tokenizer) spells a character it has no
+    token for as byte tokens, and decodes an unfinished one to a U+FFFD per byte."""
+    vocab = {"<unk>": 0, "▁": 1, "a": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>",
+                                 byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<unk>"}))
+    fallback = Tokenizer.from_dir(tmp_path)
+    ids = fallback.encode("a🐍", add_special_tokens=False)
+    head = len(fallback.encode("a", add_special_tokens=False))
+    assert len(ids) == head + 4  # the snake's four bytes
+    assert fallback.decode(ids[:head + 2]).endswith("\ufffd\ufffd")
+    for n in range(head + 1, len(ids)):
+        assert "".join(stream(fallback, ids[:n])) == fallback.decode(ids[:head]) == "a"
+    assert "".join(stream(fallback, ids)) == "a🐍"
+
+
 def test_streaming_keeps_leading_spaces_with_metaspace(metaspace_tok):
     text = "hello world the quick brown fox"
     ids = metaspace_tok.encode(text)
