@@ -263,6 +263,9 @@ class Engine:
         self._busy = threading.Lock()  # one generation at a time: they share the KV cache
         self._owner: int | None = None  # the thread whose generation holds _busy
         self._closed = False
+        # _owner, _active and _closed change together under it: close() and a generation
+        # starting or ending agree on which of them releases the sessions
+        self._state = threading.Lock()
         self._cached: list[int] = []  # tokens whose KV the target cache holds, in order
 
     def _plan_offload(self, gpu_memory: int | None, max_len: int,
@@ -305,13 +308,11 @@ class Engine:
         generation (running, or a stream paused in any thread) is cancelled and lets them
         go when it ends: after its current pass, or when its stream is resumed or closed;
         queued ones raise. Waiting instead would hang behind a stream nobody reads."""
-        self._closed = True  # a generation still waiting for the lock will not start
-        self._active.set()
-        if self._busy.acquire(blocking=False):  # none open: release them now
-            try:
+        with self._state:
+            self._closed = True  # a generation still waiting for the lock will not start
+            self._active.set()
+            if self._owner is None:  # none open: release them now
                 self._release()
-            finally:
-                self._busy.release()
 
     def _release(self) -> None:
         self.target = self.draft = None  # type: ignore[assignment]
@@ -417,9 +418,10 @@ class Engine:
             raise EdgespecError("this thread has a generation open (a stream not read to "
                                 "its end); finish or close it before starting another.")
         with self._busy:
-            if self._closed:  # maybe while this one waited
-                raise EdgespecError("this engine was closed; load the bundle again.")
-            self._owner, self._active = threading.get_ident(), cancel
+            with self._state:
+                if self._closed:  # maybe while this one waited
+                    raise EdgespecError("this engine was closed; load the bundle again.")
+                self._owner, self._active = threading.get_ident(), cancel
             try:
                 if cancel.is_set():  # cancelled while it waited: nothing is run
                     yield _Record([], "", GenerationStats(mode=config.mode,
@@ -428,9 +430,10 @@ class Engine:
                     return
                 yield from self._records(prompt, config, cancel)
             finally:
-                self._owner = None
-                if self._closed:  # close() came while this one held the sessions
-                    self._release()
+                with self._state:
+                    self._owner = None
+                    if self._closed:  # close() came while this one held the sessions
+                        self._release()
 
     def submit(self, prompt: str | list[int], on_text: Callable[[str], None] | None = None,
                on_done: Callable[[GenerationResult], None] | None = None,
