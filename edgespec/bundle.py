@@ -272,9 +272,10 @@ def write_bundle(out: Path | str, overwrite: bool = False) -> Iterator[tuple[Pat
 
 @contextmanager
 def _write_bundle(out: Path, overwrite: bool) -> Iterator[tuple[Path, Callable]]:
-    if out.is_dir() and not any(out.iterdir()):
-        pass  # an empty folder made for it: taken as it is
-    elif out.exists():
+    # an empty folder made for it is taken, unless the shell stands in it (--out .)
+    empty = out.is_dir() and not any(out.iterdir()) and \
+        not Path.cwd().is_relative_to(out.resolve())
+    if out.exists() and not empty:
         _replaceable(out)  # refused outright unless it is a bundle
         if not overwrite:
             raise EdgespecError(f"{out} already holds a bundle; pass --overwrite to replace "
@@ -301,7 +302,10 @@ def _write_bundle(out: Path, overwrite: bool) -> Iterator[tuple[Path, Callable]]
         yield tmp, finish
         if not finished:
             raise RuntimeError("write_bundle: finish(manifest) was never called")
-        if out.exists():
+        if empty:
+            out.rmdir()  # fails, deleting nothing, if files came into it meanwhile
+            tmp.rename(out)
+        elif out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
             tmp.rename(out)

@@ -154,6 +154,28 @@ def test_write_without_finish_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_empty_folder_is_taken_unless_the_shell_stands_in_it(tmp_path, monkeypatch):
+    (tmp_path / "made").mkdir()
+    make_bundle(tmp_path / "made")
+    assert read_manifest(tmp_path / "made").target.params == 1234
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(EdgespecError, match="not an edgespec bundle"):
+        make_bundle(Path("."))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "made"]
+    assert list((tmp_path / "here").iterdir()) == []
+    # files that come into an empty folder during the export are kept, and it fails
+    (tmp_path / "late").mkdir()
+    with pytest.raises(OSError), write_bundle(tmp_path / "late") as (tmp, finish):
+        (tmp_path / "late" / "notes.txt").write_text("keep me")
+        (tmp / "tokenizer.json").write_bytes(b"{}")
+        finish(Manifest(target=entry(data_files=[]), draft=None, ep_profile="cpu",
+                        tokenizer_files=["tokenizer.json"], eos_token_ids=[0],
+                        bos_token_id=None))
+    assert (tmp_path / "late" / "notes.txt").read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "late", "made"]
+
+
 def test_existing_output_needs_overwrite(tmp_path):
     make_bundle(tmp_path / "b")
     with pytest.raises(EdgespecError, match="already holds a bundle; pass --overwrite"):
