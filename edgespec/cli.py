@@ -166,13 +166,18 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     from edgespec.export.source import is_gguf
 
     ctx = click.get_current_context()
-    given = [f"--{name.replace('_', '-')}" for name in ("precision", "quant", "block_size",
-                                                        "calibration")
+    given = [f"--{name.replace('_', '-')}" for name in ("precision", "quant", "block_size")
              if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
-    if is_gguf(Path(target)) and not requantize and quant != "rot" and given:  # rot: all
-        err.print(f"note: {target}'s quantized tensors keep their GGUF types; "
-                  f"{' and '.join(given)} apply to its float tensors only (add --requantize "
-                  f"to quantize every tensor to {precision}).", highlight=False)
+    if is_gguf(Path(target)) and not requantize and quant != "rot":  # rot: dequantizes all
+        calibrated = ctx.get_parameter_source("calibration") != \
+            click.core.ParameterSource.DEFAULT
+        if given or calibrated:
+            what = (f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to its "
+                    "float tensors only" if given else "")
+            unused = "--calibration is not used" if calibrated else ""
+            err.print(f"note: {target}'s quantized tensors keep their GGUF types; "
+                      f"{'; '.join(filter(None, (what, unused)))} (add --requantize to "
+                      f"quantize every tensor to {precision}).", highlight=False)
     for source in (target, draft):
         if source and out.exists() and Path(source).exists() and \
                 Path(source).resolve().is_relative_to(out.resolve()):
