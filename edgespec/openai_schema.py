@@ -91,7 +91,8 @@ class Sampling(Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     mode: Literal["ar", "spec", "lookup"] | None = None  # extension: the decoding mode
-    top_k: int | None = Field(default=None, ge=0)  # extension, as vLLM and llama.cpp take it
+    # extension, as vLLM and llama.cpp's server take it: 0 or below (-1) is off
+    top_k: int | None = None
 
     @model_validator(mode="before")
     @classmethod

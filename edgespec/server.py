@@ -149,7 +149,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON.")
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if loc == ("body",) and kind != "application/json":  # FastAPI read no JSON at all
+        json_kind = kind == "application/json" or kind.endswith("+json")
+        if loc == ("body",) and not json_kind:  # FastAPI read no JSON at all
             return error_response(400, "the request body is read as JSON only with the "
                                   "header Content-Type: application/json; send it.")
         if loc == ("body",) and first.get("type") != "value_error":
@@ -198,7 +199,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         config = GenerationConfig(
             max_new_tokens=min(wanted, room),
             temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(req.top_k or 0, 0),
             seed=req.seed, stop=req.stops(),
             mode=req.mode or default_mode, logprobs=logprobs)
         try:

@@ -96,9 +96,10 @@ def test_top_k_reaches_the_sampler_and_other_servers_extras_are_refused(client, 
                                       extra_body={"top_k": 1})
         assert r.choices[0].text == greedy
     hot = {client.completions.create(model=MODEL, prompt="def quicksort(items):",
-                                     max_tokens=24, temperature=1.5, seed=seed
-                                     ).choices[0].text for seed in range(3)}
-    assert hot != {greedy}  # without top_k, the temperature is felt
+                                     max_tokens=24, temperature=1.5, seed=seed,
+                                     extra_body={"top_k": -1}).choices[0].text
+           for seed in range(3)}
+    assert hot != {greedy}  # -1 (their "off"), as without top_k: the temperature is felt
     for extra in ({"min_p": 0.1}, {"repetition_penalty": 1.2}, {"ignore_eos": True}):
         with pytest.raises(openai.BadRequestError, match=f"{next(iter(extra))} is not"):
             client.completions.create(model=MODEL, prompt="x", max_tokens=4,
