@@ -164,16 +164,27 @@ def test_chat_page_streams_answers_with_stats_and_stops(browser, server, engine)
 
 
 def test_a_conversation_longer_than_the_context_is_told_to_start_over(browser, server):
+    """The demo holds 512 tokens: a first message too long for it is to be shortened; a
+    conversation that outgrows it, to be started afresh."""
     browser.get(server + "/")
     wait(browser, lambda: "edgespec-demo on cpu" in by_id(browser, "model").text)
     if not by_id(browser, "api-key").get_attribute("value"):
         by_id(browser, "api-key").send_keys(KEY)
-    long = "x = 1; " * 200  # ~1,000 tokens against the demo's 512
+    by_id(browser, "prompt").click()
+    settings(browser, "ar", 0, 8)
+    long = "x = 1; " * 200  # ~810 tokens
     ask(browser, long)
-    wait(browser, lambda: "start a new chat" in by_id(browser, "error").text)
+    wait(browser, lambda: "Shorten your message" in by_id(browser, "error").text)
     assert "context holds 512" in by_id(browser, "error").text
     assert answers(browser) == [] and by_id(browser, "prompt").get_attribute("value") == \
         long.strip()
+    by_id(browser, "prompt").clear()
+    ask(browser, "x = 1; " * 100)  # ~410 tokens and its answer of 8: it fits
+    wait(browser, lambda: answers(browser) and "[ar, cpu]" in
+         answers(browser)[-1].find_element("css selector", ".stats").text)
+    ask(browser, "x = 1; " * 30)  # not beside the first
+    wait(browser, lambda: "start a new chat" in by_id(browser, "error").text)
+    assert len(answers(browser)) == 1
 
 
 def test_page_assets_ship_in_the_package():

@@ -399,7 +399,8 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     checkpoint = work / "head.pt"
     if resume and checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=False, map_location=opts.device)
-        differ = [k for k, v in asdict(opts).items() if saved["opts"].get(k) != v]
+        now = asdict(opts)
+        differ = [k for k in {**saved["opts"], **now} if saved["opts"].get(k) != now.get(k)]
         if differ:
             raise EdgespecError(f"{checkpoint} was trained with other options ("
                                 f"{', '.join(differ)}); pass the same ones, or another --work "

@@ -47,7 +47,8 @@ function headers() {
   return h;
 }
 
-async function errorText(response) {
+// `earlier`: the conversation has turns before this message
+async function errorText(response, earlier) {
   if (response.status === 401) {
     return $("api-key").value.trim()
       ? "The server did not accept this API key: check it above."
@@ -56,9 +57,10 @@ async function errorText(response) {
   try {
     const body = await response.json();
     if (!body.error) return `HTTP ${response.status}`;
-    // the conversation outgrew the model: only a shorter one can go on
-    const tail = body.error.code === "context_length_exceeded"
-      ? " This conversation is too long for the model: start a new chat." : "";
+    // too long for the model: a new chat, or a shorter message where it is the first
+    const tail = body.error.code !== "context_length_exceeded" ? ""
+      : earlier ? " This conversation is too long for the model: start a new chat."
+        : " Shorten your message.";
     return body.error.message + tail;
   } catch {
     return `HTTP ${response.status}`;
@@ -117,7 +119,7 @@ async function ask(text) {
       method: "POST", headers: headers(), body: JSON.stringify(request),
       signal: state.controller.signal,
     });
-    if (!response.ok) throw new Error(await errorText(response));
+    if (!response.ok) throw new Error(await errorText(response, history.length > 1));
     for await (const chunk of events(response)) {
       if (chunk.error) throw new Error(chunk.error.message);
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
