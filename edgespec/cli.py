@@ -169,15 +169,14 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     given = [f"--{name.replace('_', '-')}" for name in ("precision", "quant", "block_size")
              if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
     if is_gguf(Path(target)) and not requantize and quant != "rot":  # rot: dequantizes all
-        calibrated = ctx.get_parameter_source("calibration") != \
-            click.core.ParameterSource.DEFAULT
-        if given or calibrated:
-            what = (f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to its "
-                    "float tensors only" if given else "")
-            unused = "--calibration is not used" if calibrated else ""
+        said = [f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to its "
+                "float tensors only"] if given else []
+        if ctx.get_parameter_source("calibration") != click.core.ParameterSource.DEFAULT:
+            said.append("--calibration is not used")
+        if said:
             err.print(f"note: {target}'s quantized tensors keep their GGUF types; "
-                      f"{'; '.join(filter(None, (what, unused)))} (add --requantize to "
-                      f"quantize every tensor to {precision}).", highlight=False)
+                      f"{'; '.join(said)} (add --requantize to quantize every tensor to "
+                      f"{precision}).", highlight=False)
     for source in (target, draft):
         if source and out.exists() and Path(source).exists() and \
                 Path(source).resolve().is_relative_to(out.resolve()):

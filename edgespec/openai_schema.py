@@ -75,7 +75,7 @@ FOREIGN_NEUTRAL: dict[str, Any] = {
 
 
 class Sampling(Strict):
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow")  # the rest as Strict; FOREIGN_NEUTRAL reads it
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
