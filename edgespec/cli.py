@@ -410,7 +410,7 @@ def generate(prompt: str | None, model: str | None, max_new_tokens: int, tempera
                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop), mode=mode,
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
                               adaptive=adaptive, stop_rule=stop_rule, logprobs=logprobs)
-    config.validate(engine.draft is not None)
+    config = engine.settings(config)
     if as_chat and not engine.tokenizer.chat_template:
         raise EdgespecError(f"{NO_TEMPLATE}; leave out --chat to have it continue the prompt.")
     # a prompt that cannot run is refused before it is echoed

@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field, fields, replace
 from importlib.resources import files
 from pathlib import Path
@@ -49,6 +50,8 @@ if TYPE_CHECKING:  # offload reads graphs with onnx: imported only by bundles th
     from edgespec.runtimes.segments import Placement
 
 MODES = ("ar", "spec", "lookup")
+OPTIONAL = ("seed", "draft_tokens", "lookup_tokens", "logprobs")  # None: chosen elsewhere
+CLOSED = "this engine was closed; load the bundle again."
 # On a thread pool of its own (not runtimes.pool.share_threads), a draft this small runs on
 # one CPU thread: its pass takes a fraction of a millisecond, a pool only adds hand-offs,
 # and its workers slow the target's (demo pair on 2 cores: 1.3-1.9x the tokens/s in every
@@ -111,9 +114,13 @@ class GenerationConfig:
         for name in ("max_new_tokens", "top_k", "seed", "draft_tokens", "lookup_tokens",
                      "tree_budget", "tree_depth", "tree_top_k", "logprobs"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(
-                    value, (int, np.integer))):
+            whole = not isinstance(value, bool) and isinstance(value, (int, np.integer))
+            if not whole and (value is not None or name not in OPTIONAL):
                 raise EdgespecError(f"{name} must be a whole number, not {value!r}.")
+        for name in ("adaptive", "tree_best_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise EdgespecError(f"{name} must be True or False, not "
+                                    f"{getattr(self, name)!r}.")
         if self.mode is not None and self.mode not in MODES:  # None: Engine.default_mode
             raise EdgespecError(f"unknown mode '{self.mode}'; choose one of {', '.join(MODES)}.")
         if self.mode == "spec" and not has_draft:
@@ -141,9 +148,36 @@ class GenerationConfig:
             if not ok:
                 raise EdgespecError(f"{message}.")
 
+    def unread(self, head: bool) -> list[str]:
+        """The drafting settings given here that this config's mode would not read (mode
+        resolved, `head`: the draft is a head): a setting that changes nothing is refused,
+        so `--mode ar --adaptive` does not pass for adaptive decoding."""
+        if self.mode == "ar":
+            reads: set[str] = set()
+        elif self.mode == "lookup":
+            reads = {"draft_tokens", "adaptive"}
+        elif self.tree_budget:
+            reads = {"tree_budget", "tree_depth", "tree_top_k", "tree_lookup"}
+            reads |= set() if head else {"tree_best_first"}
+        else:
+            reads = {"draft_tokens", "adaptive", "stop_rule"}
+            reads |= {"lookup_tokens"} if head else set()
+            reads |= {"stop_threshold"} if self.stop_rule != "none" else set()
+        return [name for name, neutral in DRAFT_SETTINGS.items()
+                if name not in reads and getattr(self, name) not in neutral]
+
     @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+
+# each drafting setting and the values that leave it off (GenerationConfig.unread)
+DRAFT_SETTINGS: dict[str, tuple[Any, ...]] = {
+    "draft_tokens": (None,), "lookup_tokens": (None, 0), "adaptive": (False,),
+    "stop_rule": ("none",), "stop_threshold": (GenerationConfig.stop_threshold,),
+    "tree_budget": (0,), "tree_depth": (GenerationConfig.tree_depth,),
+    "tree_top_k": (GenerationConfig.tree_top_k,), "tree_best_first": (False,),
+    "tree_lookup": (0,)}
 
 
 @dataclass
@@ -197,8 +231,10 @@ class Engine:
         steps at the last bits, so a near-tie can go another way. Its default mode is then
         AR, and the others are refused unless `allow_inexact` (for exercising a GPU
         profile's code paths on a CPU)."""
-        if context is not None and context < 2:
-            raise EdgespecError("context must be at least 2 tokens.")
+        if context is not None and (isinstance(context, bool) or not isinstance(
+                context, int) or context < 2):
+            raise EdgespecError(f"context must be a whole number of at least 2 tokens, not "
+                                f"{context!r}.")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
             raise EdgespecError(f"threads must be a whole number >= 0 (0: one per core), not "
                                 f"{threads!r}.")
@@ -222,6 +258,7 @@ class Engine:
         else:
             self.target = DecoderSession(target_path, m.target, providers, device,
                                          max_len=max_len, threads=threads)
+        self._context = self.target.max_len  # still known after close()
         shared = (self.target.session if m.draft and m.draft.graph == m.target.graph
                   and not placements else None)
         if shared and draft_device:
@@ -293,7 +330,7 @@ class Engine:
 
     @property
     def context_length(self) -> int:
-        return self.target.max_len
+        return self._context
 
     def cancel(self) -> None:
         """Stop the running generation after its current pass (safe from any thread)."""
@@ -339,9 +376,10 @@ class Engine:
         ones choose per pass between a copy, head tokens and a plain step
         (HybridController)."""
         mode = self.default_mode if config.mode is None else config.mode
-        head_chains = bool(self.head) and mode == "spec"
+        chains = mode == "lookup" or (mode == "spec" and not config.tree_budget)
+        head_chains = bool(self.head) and chains and mode == "spec"
         gamma = config.draft_tokens
-        if gamma is None:
+        if gamma is None and chains:
             gamma = 1 if head_chains and not config.adaptive else 4
         copies = config.lookup_tokens
         if copies is None:
@@ -356,8 +394,22 @@ class Engine:
     def settings(self, config: GenerationConfig) -> GenerationConfig:
         """`config` resolved (Engine.resolve) and checked against this engine: what every
         surface runs. Raises EdgespecError for settings it cannot run losslessly."""
+        if self._closed:
+            raise EdgespecError(CLOSED)
         config = self.resolve(config)
         config.validate(self.draft is not None)
+        unread = config.unread(bool(self.head))
+        if "tree_best_first" in unread and self.head and config.tree_budget:
+            raise EdgespecError("tree_best_first is for a draft model's trees; this bundle "
+                                "drafts with a head, whose trees grow from its chain: leave "
+                                "it out.")
+        if unread:
+            one = len(unread) == 1
+            tree = " with a tree" if config.mode == "spec" and config.tree_budget else ""
+            raise EdgespecError(
+                f"{' and '.join(unread)} {'does' if one else 'do'} nothing in mode "
+                f"{config.mode}{tree}; leave {'it' if one else 'them'} out, or choose a mode "
+                f"that uses {'it' if one else 'them'}.")
         if config.mode != "ar" and not self.exact and not self.allow_inexact:
             raise EdgespecError(
                 f"this bundle was exported for the {self.manifest.ep_profile} profile, and on "
@@ -420,7 +472,7 @@ class Engine:
         with self._busy:
             with self._state:
                 if self._closed:  # maybe while this one waited
-                    raise EdgespecError("this engine was closed; load the bundle again.")
+                    raise EdgespecError(CLOSED)
                 self._owner, self._active = threading.get_ident(), cancel
             try:
                 if cancel.is_set():  # cancelled while it waited: nothing is run
@@ -437,21 +489,29 @@ class Engine:
 
     def submit(self, prompt: str | list[int], on_text: Callable[[str], None] | None = None,
                on_done: Callable[[GenerationResult], None] | None = None,
-               config: GenerationConfig | None = None, **kwargs: Any) -> Job:
+               config: GenerationConfig | None = None,
+               on_error: Callable[[BaseException], None] | None = None,
+               **kwargs: Any) -> Job:
         """Generate in a worker thread, for GUIs: `on_text` gets each chunk, `on_done` the
-        result (both called from the worker: hand them to your UI thread's queue). The
+        result, `on_error` what the generation raised instead (all called from the worker:
+        hand them to your UI thread's queue). Bad settings and prompts raise here, so a
+        UI waiting for one of the callbacks hears from one unless submit raised. The
         returned Job can be cancelled and waited for."""
         job = Job()
-        config = self._config(config, kwargs)  # bad settings raise here, not in the worker
+        config = self._config(config, kwargs)
+        ids = self.encode_prompt(prompt)
 
         def work() -> None:
             try:
-                records = self._serialized(prompt, config, job._cancel)
-                job._result = self._collect(records, on_text)
-                if on_done:
-                    on_done(job._result)
+                job._result = self._collect(self._serialized(ids, config, job._cancel), on_text)
+                callback, arg = on_done, job._result
             except BaseException as e:  # the caller sees it through Job.result()
-                job._error = e
+                job._error, callback, arg = e, on_error, e
+            try:
+                if callback:
+                    callback(arg)
+            except BaseException as e:  # a failing callback fails its job, not the worker
+                job._error = job._error or e
             finally:
                 job._finished.set()
 
@@ -583,12 +643,13 @@ class Engine:
         text: list[str] = []
         logprobs: list[TokenLogprob] = []
         record = None
-        for record in records:
-            token_ids += record.tokens
-            text.append(record.text)
-            logprobs += record.logprobs or []
-            if on_text and record.text:
-                on_text(record.text)
+        with closing(records):  # a callback that raises still lets the engine go
+            for record in records:
+                token_ids += record.tokens
+                text.append(record.text)
+                logprobs += record.logprobs or []
+                if on_text and record.text:
+                    on_text(record.text)
         assert record is not None
         return GenerationResult("".join(text), token_ids, record.stats,
                                 record.finish_reason or "length",

@@ -77,7 +77,7 @@ class Guard:
                  allowed_hosts: Iterable[str] = (), max_body: int = MAX_BODY):
         check_api_key(api_key)
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.allowed_hosts = tuple(allowed_hosts)
         self.max_body = max_body
 
@@ -96,8 +96,9 @@ class Guard:
                                     "host_not_allowed")
         path = scope["path"]
         if self.expected is not None and not (path in PUBLIC or path.startswith(PUBLIC_PREFIXES)):
-            given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+            # the scheme's name is case-insensitive (RFC 9110 11.1), the key is not
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given, self.expected):
                 return await send_error(send, 401, "invalid or missing API key (use an "
                                         "'Authorization: Bearer KEY' header).",
                                         "authentication_error", "invalid_api_key")

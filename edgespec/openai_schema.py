@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from edgespec.spec.logprobs import MAX_TOP_LOGPROBS
-from edgespec.stops import MAX_STOP_CHARS, MAX_STOPS
+from edgespec.stops import check_stops
 
 
 class UnsupportedError(ValueError):
@@ -105,12 +105,9 @@ class Sampling(Strict):
 
     def unsupported(self) -> None:
         """Raise UnsupportedError for what would change the answer and is not done."""
-        stops = self.stops()
-        if len(stops) > MAX_STOPS:
-            raise UnsupportedError("stop", f"at most {MAX_STOPS} stop strings are allowed.")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise UnsupportedError("stop", f"a stop string may be at most {MAX_STOP_CHARS} "
-                                           "characters.")
+        problem = check_stops(self.stops())
+        if problem:
+            raise UnsupportedError("stop", f"{problem}.")
         if (self.n or 1) != 1:
             raise UnsupportedError("n", "only n=1 is supported.")
         if self.stream_options is not None and not self.stream:
@@ -134,6 +131,8 @@ class ChatRequest(Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
+    # extension, as vLLM takes it: continue the last (assistant) message, not a new turn
+    continue_final_message: bool = False
 
     def unsupported(self) -> None:
         super().unsupported()
@@ -145,10 +144,16 @@ class ChatRequest(Sampling):
                                    "supported; only plain text answers are.")
         if self.tools or self.functions:
             raise UnsupportedError("tools", "tool calling is not supported.")
+        if self.tool_choice not in (None, "none"):
+            raise UnsupportedError("tool_choice", "tool_choice needs tools, and tool calling "
+                                                  "is not supported; leave it out.")
         for i, m in enumerate(self.messages):
             if m.tool_calls:
                 raise UnsupportedError(f"messages[{i}].tool_calls",
                                        "tool calls are not supported.")
+            if m.content is None:
+                raise UnsupportedError(f"messages[{i}].content", "a message needs its "
+                                       "content (a string or a list of text parts).")
             for j, part in enumerate(m.content if isinstance(m.content, list) else ()):
                 if part.type != "text":
                     raise UnsupportedError(f"messages[{i}].content", "only text content "

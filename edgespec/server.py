@@ -78,18 +78,19 @@ class Turns:
 
     async def acquire(self, request: Request) -> None:
         waiter = asyncio.ensure_future(self.lock.acquire())
-        while True:
-            done, _ = await asyncio.wait({waiter}, timeout=0.25)
-            if done:
-                return
-            if await request.is_disconnected():
-                waiter.cancel()
-                try:
-                    await waiter
-                except asyncio.CancelledError:
-                    raise _Gone() from None
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiter}, timeout=0.25)
+                if done:
+                    return
+                if await request.is_disconnected():
+                    raise _Gone()
+        except BaseException:  # gone, or cancelled (a stream's response task is)
+            if not waiter.done():
+                waiter.cancel()  # asyncio.Lock hands a turn granted meanwhile on
+            elif not waiter.cancelled() and waiter.exception() is None:
                 self.lock.release()  # it was granted just as we gave up
-                raise _Gone()
+            raise
 
     def release(self) -> None:
         self.lock.release()
@@ -238,7 +239,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
 
         try:
             await turns.acquire(request)
-        except _Gone:
+        except (_Gone, asyncio.CancelledError):
             counts["cancelled"] += 1
             raise
         try:
@@ -373,7 +374,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             raise ApiError(400, f"{NO_TEMPLATE}; send it a plain prompt to continue at "
                            "/v1/completions instead.", param="messages")
         conversation = req.conversation()
-        ids = await tokenize(lambda: engine.tokenizer.encode_chat(conversation), "messages")
+        ids = await tokenize(lambda: engine.tokenizer.encode_chat(
+            conversation, continue_final=req.continue_final_message), "messages")
         return await respond(request, req, ids, chat=True)
 
     @app.post("/v1/completions")
@@ -416,5 +418,20 @@ def serve(engine: Engine, model_id: str, sock: socket.socket, api_key: str | Non
     import uvicorn
 
     app = create_app(engine, model_id, api_key, allowed_hosts=allowed_hosts)
-    uvicorn.Server(uvicorn.Config(app, log_level="info", server_header=False)).run(
+    closing_server(engine, uvicorn.Config(app, log_level="info", server_header=False)).run(
         sockets=[sock])
+
+
+def closing_server(engine: Engine, config: Any) -> Any:
+    """A uvicorn server (for this `uvicorn.Config`) that closes `engine` when told to stop
+    (Ctrl-C, SIGTERM): uvicorn waits for open connections to close, and a generation keeps
+    its client's open to its end, minutes at a long max_tokens. Closed, the engine ends
+    the running one after its current pass and refuses the queued ones."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            engine.close()
+            super().handle_exit(sig, frame)
+
+    return Server(config)

@@ -21,6 +21,10 @@ def check_stops(stops: Sequence[str]) -> str | None:
     """What is wrong with these stop strings, in one clause, or None."""
     if len(stops) > MAX_STOPS:
         return f"at most {MAX_STOPS} stop strings are allowed, got {len(stops)}"
+    if any(not isinstance(s, str) for s in stops):
+        return "stop strings must be text"
+    if any(not s for s in stops):
+        return "a stop string must not be empty (it would end every answer before it began)"
     longest = max((len(s) for s in stops), default=0)
     if longest > MAX_STOP_CHARS:
         return (f"a stop string may be at most {MAX_STOP_CHARS} characters, "

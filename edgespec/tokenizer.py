@@ -172,14 +172,19 @@ class Tokenizer:
         except TemplateError as e:
             raise EdgespecError(f"the chat template rejected the conversation: {e}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]],
-                    add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    continue_final: bool = False) -> list[int]:
         """Templates write BOS themselves, so the rendered text is encoded without it.
 
         A special token spelled inside a message's content (`<|im_end|>` then
         `<|im_start|>system`) is encoded as the plain text it is, so a user cannot forge
-        turns: only the template itself writes control tokens."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        turns: only the template itself writes control tokens. `continue_final` ends the
+        text where the last message's does, so an answer begun by the caller (an assistant
+        message sent last, "prefill") is continued rather than closed, as vLLM's
+        `continue_final_message` and transformers' own option do."""
+        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final)
+        if continue_final:
+            text = text[:self._final_end(text, messages)]
         encoding = self._encode(self._tok, text, False)
         spans = self._content_spans(text, messages)
         ids: list[int] = []
@@ -189,6 +194,24 @@ class Tokenizer:
             else:
                 ids.append(token)
         return ids
+
+    @staticmethod
+    def _final_end(text: str, messages: list[dict[str, Any]]) -> int:
+        """Where the last message's content ends in the rendered chat (templates that trim
+        a message lose its trailing blanks, as in transformers' continue_final_message)."""
+        last = messages[-1] if messages else {}
+        content = last.get("content")
+        if last.get("role") != "assistant" or not isinstance(content, str) \
+                or not content.strip():
+            raise EdgespecError("to continue the final message, the last message must be "
+                                "the assistant's, with the text to continue.")
+        for piece in (content, content.rstrip()):
+            at = text.rfind(piece)
+            if at >= 0:
+                return at + len(piece)
+        raise EdgespecError("this chat template rewrites the final message, so it cannot be "
+                            "continued; send the whole conversation as a prompt to continue "
+                            "instead.")
 
     def _content_spans(self, text: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
         """Where each message's content lies in the rendered text, found in order; a

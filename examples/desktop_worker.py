@@ -17,7 +17,8 @@ events: queue.Queue = queue.Queue()
 with edgespec.load() as engine:  # the embedded demo bundle; close() frees the sessions
     job = engine.submit("def quicksort(items):", max_new_tokens=200,
                         on_text=lambda chunk: events.put(("text", chunk)),
-                        on_done=lambda result: events.put(("done", result)))
+                        on_done=lambda result: events.put(("done", result)),
+                        on_error=lambda error: events.put(("error", error)))
     started = time.time()
     while True:  # the "UI loop"
         kind, payload = events.get()
@@ -25,6 +26,9 @@ with edgespec.load() as engine:  # the embedded demo bundle; close() frees the s
             print(payload, end="", flush=True)  # e.g. text_edit.insertPlainText(payload)
             if time.time() - started > 5:
                 job.cancel()  # e.g. the user pressed Stop
+        elif kind == "error":  # e.g. the engine was closed while this job waited
+            print(f"\n[error] {payload}")
+            break
         else:
             stats = payload.stats
             print(f"\n[{payload.finish_reason}] {stats.new_tokens} tokens, "

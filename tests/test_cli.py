@@ -120,6 +120,12 @@ def test_bad_flag_value_is_a_usage_error():
     assert "--temperature" in out.stderr
 
 
+def test_a_flag_the_mode_does_not_use_is_refused_before_the_prompt_is_echoed():
+    out = run("generate", "def quicksort(items):", "--mode", "ar", "--adaptive")
+    assert_user_error(out, "adaptive does nothing in mode ar")
+    assert out.stdout == ""
+
+
 def test_export_takes_an_empty_folder_and_refuses_one_with_files(tmp_path, demo_target):
     (tmp_path / "b").mkdir()
     assert run("export", str(demo_target), "--out", str(tmp_path / "b")).returncode == 0

@@ -225,6 +225,20 @@ def test_cancel_from_another_thread(engine):
     ({"seed": 1.5}, "seed must be a whole number"),
     ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number"),
     ({"max_tokens": 4}, "unknown setting max_tokens"),
+    ({"stop": ["end", ""]}, "a stop string must not be empty"),
+    ({"stop": [3]}, "stop strings must be text"),
+    ({"mode": "ar", "adaptive": True}, "adaptive does nothing in mode ar"),
+    ({"mode": "ar", "draft_tokens": 3, "stop_rule": "entropy"},
+     "draft_tokens and stop_rule do nothing in mode ar"),
+    ({"mode": "lookup", "tree_budget": 8}, "tree_budget does nothing in mode lookup"),
+    ({"mode": "lookup", "lookup_tokens": 2}, "lookup_tokens does nothing"),
+    ({"mode": "spec", "stop_threshold": 0.6}, "stop_threshold does nothing in mode spec"),
+    ({"mode": "spec", "tree_budget": 8, "draft_tokens": 2},
+     "draft_tokens does nothing in mode spec with a tree"),
+    ({"mode": "spec", "tree_depth": 2}, "tree_depth does nothing in mode spec;"),
+    ({"max_new_tokens": None}, "max_new_tokens must be a whole number, not None"),
+    ({"tree_depth": None}, "tree_depth must be a whole number"),
+    ({"adaptive": "yes"}, "adaptive must be True or False"),
 ])
 def test_bad_config(engine, kwargs, message):
     with pytest.raises(EdgespecError, match=message):
@@ -251,6 +265,8 @@ def test_a_config_and_keywords_are_not_mixed_and_one_stop_string_is_one(engine):
     assert engine.generate(PROMPTS[1], max_new_tokens=64, mode="ar", stop=None).text == full
     with pytest.raises(EdgespecError, match="threads"):
         edgespec.load(threads=-1)
+    with pytest.raises(EdgespecError, match="context must be a whole number"):
+        edgespec.load(context="512")
 
 
 def test_a_paused_stream_makes_a_second_call_on_its_thread_an_error_not_a_hang(engine):
@@ -304,8 +320,10 @@ def test_close_from_another_thread_does_not_wait_for_a_paused_stream():
     del stream, first, rest
     gc.collect()
     assert target() is None
-    with pytest.raises(EdgespecError, match="was closed"):
-        engine.generate("x", max_new_tokens=3)
+    for settings in ({}, {"mode": "spec"}):  # not "this model has no draft"
+        with pytest.raises(EdgespecError, match="was closed"):
+            engine.generate("x", max_new_tokens=3, **settings)
+    assert engine.context_length == 512
 
 
 def test_a_job_cancelled_while_queued_runs_nothing(engine):
@@ -435,6 +453,41 @@ def test_submit_runs_in_a_worker_with_callbacks(engine):
     result = job.result(timeout=60)
     assert job.done() and done == [result]
     assert "".join(chunks) == result.text == engine.generate(PROMPTS[0], max_new_tokens=30).text
+
+
+def test_a_callback_that_raises_fails_its_job_and_frees_the_engine(engine):
+    def broken(chunk):
+        raise ZeroDivisionError("the UI broke")
+
+    job = engine.submit(PROMPTS[0], max_new_tokens=30, on_text=broken)
+    with pytest.raises(ZeroDivisionError):
+        job.result(timeout=60)  # the job keeps the error, and with it its traceback
+    after = engine.submit(PROMPTS[0], max_new_tokens=8)  # before: waited forever
+    assert after.result(timeout=60).token_ids == engine.generate(
+        PROMPTS[0], max_new_tokens=8).token_ids
+    errors = []
+    failing_done = engine.submit(PROMPTS[0], max_new_tokens=4, on_done=broken,
+                                 on_error=errors.append)
+    with pytest.raises(ZeroDivisionError):
+        failing_done.result(timeout=60)
+    assert errors == [] and engine.generate("x", max_new_tokens=2).token_ids
+
+
+def test_submit_refuses_a_bad_prompt_at_once_and_reports_worker_errors():
+    engine = edgespec.load()
+    with pytest.raises(EdgespecError, match="shorten the prompt"):
+        engine.submit("x " * 600, max_new_tokens=4)  # before: raised in the worker only
+    running = engine.submit(PROMPTS[1], max_new_tokens=400, mode="ar")
+    while not engine._owner:
+        pass
+    errors, done = [], []
+    queued = engine.submit(PROMPTS[0], max_new_tokens=4, on_done=done.append,
+                           on_error=errors.append)
+    engine.close()
+    running.result(timeout=60)
+    with pytest.raises(EdgespecError, match="was closed"):
+        queued.result(timeout=60)
+    assert done == [] and len(errors) == 1 and "was closed" in str(errors[0])
 
 
 def test_jobs_are_serialized_and_cancel_their_own_generation(engine):

@@ -107,6 +107,10 @@ def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2, bundles
         want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         want = list(want["input_ids"] if hasattr(want, "keys") else want)
         assert ours.encode_chat(messages) == want
+        begun = [*messages, {"role": "assistant", "content": "Sure: 2"}]
+        want = ref.apply_chat_template(begun, continue_final_message=True, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert ours.encode_chat(begun, continue_final=True) == want
 
 
 def test_gemma_tokenizer_matches_transformers(gemma, bundles):

@@ -59,6 +59,22 @@ def test_chat_completion_equals_the_engine(client, engine):
     assert stats["mode"] == "spec" and stats["target_passes"] >= 1
 
 
+def test_a_begun_answer_is_continued_with_continue_final_message(client, engine):
+    messages = [{"role": "user", "content": "Write a Python function `add`: Add numbers."},
+                {"role": "assistant", "content": "def add("}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                       temperature=0,
+                                       extra_body={"continue_final_message": True})
+    want = engine.generate(engine.tokenizer.encode_chat(messages, continue_final=True),
+                           max_new_tokens=16)
+    assert r.choices[0].message.content == want.text
+    closed = engine.generate(engine.tokenizer.encode_chat(messages), max_new_tokens=16)
+    assert want.token_ids != closed.token_ids  # a continuation, not a new turn
+    with pytest.raises(openai.BadRequestError, match="the last message must be the assistant"):
+        client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4,
+                                       extra_body={"continue_final_message": True})
+
+
 def test_chat_streaming(client):
     kwargs = dict(model=MODEL, max_tokens=32, temperature=0,
                   messages=[{"role": "user", "content": "Write a Python function `f`."}])
@@ -142,6 +158,10 @@ def post(server, path, body=None, content=None, key=KEY):
      401, "API key"),
     (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
           key="wrong"), 401, "API key"),
+    (dict(body={"model": MODEL, "messages": [{"role": "user", "content": None}]}), 400,
+     "needs its content"),
+    (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                "tool_choice": "required"}), 400, "tool_choice needs tools"),
     (dict(content=b"x" * (2 << 20)), 413, "body over"),
     (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x = 1\n" * 700}]}),
      400, "context"),
@@ -161,6 +181,17 @@ def test_a_json_body_without_its_content_type_is_told_which_header_to_send(serve
                        headers={"Authorization": f"Bearer {KEY}", **headers})
         assert r.status_code == 400
         assert "Content-Type: application/json" in r.json()["error"]["message"]
+
+
+def test_the_bearer_scheme_is_read_in_any_case_and_the_key_exactly(server):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for scheme, status in (("bearer", 200), ("BEARER", 200), ("Basic", 401)):
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60,
+                       headers={"Authorization": f"{scheme} {KEY}"})
+        assert r.status_code == status, (scheme, r.text)
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY.upper()}"})
+    assert r.status_code == 401
 
 
 def test_unknown_route_is_a_json_404(server):

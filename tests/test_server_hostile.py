@@ -7,6 +7,7 @@ its tokenizer), the request counters on /health and plain HTTP status codes.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -65,8 +66,9 @@ def greedy(engine, ids, n=24):
 
 # 2: stop strings are capped (and matched in linear time: tests/test_stops.py)
 @pytest.mark.parametrize("stop,fragment", [("x" * 200_000, "at most 256 characters"),
-                                           (["a", "b", "c", "d", "e"], "at most 4 stop")])
-def test_long_or_many_stop_strings_are_refused(server, stop, fragment):
+                                           (["a", "b", "c", "d", "e"], "at most 4 stop"),
+                                           (["a", ""], "must not be empty")])
+def test_long_many_or_empty_stop_strings_are_refused(server, stop, fragment):
     r = post(server, "/v1/completions", {**LONG, "max_tokens": 4, "stop": stop})
     assert r.status_code == 400 and fragment in r.json()["error"]["message"], r.text
     assert r.json()["error"]["param"] == "stop"
@@ -91,7 +93,8 @@ def test_non_streaming_disconnect_cancels(slow_server):
     assert after["cancelled"] == before["cancelled"] + 1  # stopped, not run to the end
 
 
-def test_abandoned_queued_request_never_runs(slow_server):
+@pytest.mark.parametrize("queued_stream", [False, True])
+def test_abandoned_queued_request_never_runs(slow_server, queued_stream):
     server = slow_server
     before = health(server)
     stream_started = threading.Event()
@@ -110,7 +113,12 @@ def test_abandoned_queued_request_never_runs(slow_server):
     first.start()
     assert stream_started.wait(30)
     with pytest.raises(httpx.ReadTimeout):  # queued behind the stream, then given up
-        post(server, "/v1/completions", LONG, timeout=0.6)
+        if queued_stream:  # its response has begun (headers), so its task is cancelled
+            with httpx.stream("POST", f"{server}/v1/completions", timeout=0.6,
+                              json={**LONG, "stream": True}, headers=AUTH) as r:
+                list(r.iter_lines())
+        else:
+            post(server, "/v1/completions", LONG, timeout=0.6)
     time.sleep(0.6)  # the queued request notices its client left
     stop_stream.set()
     first.join()
@@ -118,6 +126,39 @@ def test_abandoned_queued_request_never_runs(slow_server):
     after = health(server)
     assert after["served"] == before["served"] + 1  # only the stream ever ran
     assert after["cancelled"] == before["cancelled"] + 2
+    assert not after["busy"]  # its turn was given up, not kept
+    assert post(server, "/v1/completions", {**LONG, "max_tokens": 2}, timeout=60
+                ).status_code == 200
+
+
+def test_stopping_the_server_ends_a_running_stream_instead_of_waiting_for_it():
+    import signal
+
+    import uvicorn
+
+    from edgespec.server import closing_server
+    from tests.http_server import free_port
+
+    engine = slowed(edgespec.load(), 0.05)  # its whole context: 25 s
+    port = free_port()
+    srv = closing_server(engine, uvicorn.Config(create_app(engine, MODEL), host="127.0.0.1",
+                                                port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    events = []
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                      json={**LONG, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+                if len(events) == 1:
+                    srv.handle_exit(signal.SIGINT, None)  # as Ctrl-C does
+    thread.join(timeout=15)
+    assert not thread.is_alive()  # before: it served the stream to its end first
+    finish = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["edgespec"]["new_tokens"] < 200
 
 
 # 4: the body limit counts bytes that arrive, also without a Content-Length

@@ -147,6 +147,22 @@ def test_chat_template_matches_transformers(demo_target, demo_tok, messages,
     assert demo_tok.encode_chat(messages, add_generation_prompt) == list(want_ids)
 
 
+@pytest.mark.parametrize("answer", ["def add(a, b):", "The sum is  ", "héllo 🐍"])
+def test_a_final_assistant_message_is_continued_as_transformers_does(demo_target, demo_tok,
+                                                                     answer):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(demo_target)
+    messages = [*CONVERSATIONS[1], {"role": "assistant", "content": answer}]
+    want = hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                  continue_final_message=True)["input_ids"]
+    assert demo_tok.encode_chat(messages, continue_final=True) == list(want)
+    assert demo_tok.encode_chat(messages) != list(want)  # a closed turn and a new one
+    for bad in (CONVERSATIONS[1], [*CONVERSATIONS[0], {"role": "assistant", "content": " "}]):
+        with pytest.raises(EdgespecError, match="the last message must be the assistant's"):
+            demo_tok.encode_chat(bad, continue_final=True)
+
+
 def test_chat_template_with_hf_conventions(tmp_path, demo_target):
     """A template using loop controls, tojson, trim/lstrip blocks and raise_exception,
     rendered by transformers and by us."""
