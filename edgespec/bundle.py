@@ -240,7 +240,7 @@ def _replaceable(out: Path) -> None:
 
 
 @contextmanager
-def _cleanup_on_termination() -> Iterator[None]:
+def cleanup_on_termination() -> Iterator[None]:
     """SIGTERM and SIGHUP unwind like Ctrl-C does, so `finally` removes the partial
     directory (their default action kills the process on the spot)."""
     if threading.current_thread() is not threading.main_thread():
@@ -266,7 +266,7 @@ def write_bundle(out: Path | str, overwrite: bool = False) -> Iterator[tuple[Pat
     and is deleted if anything fails, Ctrl-C, SIGTERM and SIGHUP included. `finish`
     hashes every file it finds, so the manifest always lists exactly what was written.
     """
-    with _cleanup_on_termination(), _write_bundle(Path(out), overwrite) as written:
+    with cleanup_on_termination(), _write_bundle(Path(out), overwrite) as written:
         yield written
 
 

@@ -279,6 +279,7 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
     except ImportError as e:
         raise EdgespecError(f"train-draft needs PyTorch and transformers ({e.name} is "
                             "missing); pip install 'edgespec[export]'.") from None
+    from edgespec.bundle import cleanup_on_termination
     from edgespec.export.draft_head import load_head
     from edgespec.export.source import open_source
 
@@ -298,7 +299,8 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
                         device=device, reader="float" if device == "cuda" else "exported",
                         gen_batch=gen_batch)
     text = read_texts(list(texts)) if texts else None
-    with tempfile.TemporaryDirectory(prefix="edgespec-source-") as scratch:
+    with cleanup_on_termination(), tempfile.TemporaryDirectory(
+            prefix="edgespec-source-") as scratch:
         source = open_source(target, Path(scratch))
         head = run(source, out, work or out.with_name(out.stem + ".work"),
                    read_prompts(prompts) if prompts else None, opts, console=err, texts=text)

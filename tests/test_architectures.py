@@ -120,6 +120,35 @@ def test_a_bfloat16_checkpoint_exports_as_transformers_reads_it(tmp_path, demo_t
     assert np.abs(got - ref).max() < TOL * max(1.0, np.abs(ref).max())
 
 
+@pytest.mark.parametrize("name", ["gemma", "qwen2"])
+def test_a_config_as_older_releases_wrote_it_exports_as_transformers_reads_it(tmp_path,
+                                                                            demo_target, name):
+    """Gemma's first releases say `hidden_act: gelu` for the tanh approximation, and some
+    configs name no `architectures`, only a model_type: transformers reads both."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(configs()[name], dtype=torch.float32).save_pretrained(
+        tmp_path / "ckpt")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_target / f, tmp_path / "ckpt" / f)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    del config["architectures"]
+    if name == "gemma":
+        config["hidden_act"] = "gelu"
+        config.pop("hidden_activation", None)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt",
+                                                     dtype=torch.float32).eval()
+    export(tmp_path / "ckpt", tmp_path / "b", precision="fp32")
+    ids = np.random.default_rng(2).integers(0, VOCAB, 16)
+    ref = torch_logits(reference, ids)
+    assert np.abs(session(tmp_path / "b").forward(ids) - ref).max() < \
+        TOL * max(1.0, np.abs(ref).max())
+
+
 def test_rotated_export_computes_the_same_function(checkpoint, tmp_path):
     """--quant rot folds orthogonal rotations into the weights (export.rotation): in fp32
     the graph must still compute transformers' logits, for every family that has no norm

@@ -126,6 +126,16 @@ def test_a_flag_the_mode_does_not_use_is_refused_before_the_prompt_is_echoed():
     assert out.stdout == ""
 
 
+def test_a_mistyped_local_path_is_not_taken_for_a_hub_id_alone(tmp_path):
+    (tmp_path / "models").mkdir()
+    out = subprocess.run([sys.executable, "-m", "edgespec.cli", "export", "models/typo",
+                          "--out", "b"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert_user_error(out, "could not download models/typo",
+                      "nor is it in the local folder models/")
+    assert not (tmp_path / "b").exists()
+
+
 def test_export_takes_an_empty_folder_and_refuses_one_with_files(tmp_path, demo_target):
     (tmp_path / "b").mkdir()
     assert run("export", str(demo_target), "--out", str(tmp_path / "b")).returncode == 0

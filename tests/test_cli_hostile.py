@@ -91,6 +91,26 @@ def test_export_killed_by_a_signal_cleans_up(tmp_path, demo_target, demo_draft, 
     assert list(tmp_path.iterdir()) == []
 
 
+def test_export_killed_while_it_reads_its_source_leaves_no_scratch_folder(tmp_path):
+    """A GGUF file is read (its tokenizer rebuilt) into a scratch folder before the bundle
+    is begun; a SIGTERM then unwinds too."""
+    from tests.real_models import smollm2_gguf
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen([*CLI, "export", str(smollm2_gguf()), "--out",
+                             str(tmp_path / "b")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(scratch)})
+    deadline = time.time() + 120
+    while not list(scratch.glob("edgespec-source-*")) and time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert "Traceback" not in proc.stderr.read().decode()
+    assert not list(scratch.glob("edgespec-source-*")) and not (tmp_path / "b").exists()
+
+
 # 12: damaged inputs are one sentence
 def _safetensors(path, header: dict, data: bytes = b""):
     raw = json.dumps(header).encode()

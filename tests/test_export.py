@@ -203,6 +203,29 @@ def test_mismatched_draft_vocabulary_is_refused(tmp_path, demo_target):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("padded", ["draft", "target"])
+def test_a_draft_whose_embedding_is_padded_to_another_size_is_taken(tmp_path, demo_target,
+                                                                    demo_draft, padded):
+    """Same tokenizer, vocab_size padded differently (Qwen2.5's 0.5B and 7B): the draft
+    scores the ids both have, and speculation stays exact."""
+    import edgespec
+    from tests.conftest import torch_model
+
+    source = {"draft": demo_draft, "target": demo_target}[padded]
+    model = torch_model(source)
+    model.resize_token_embeddings(model.config.vocab_size + 64, mean_resizing=False)
+    model.save_pretrained(tmp_path / "padded")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / f, tmp_path / "padded" / f)
+    pair = {"draft": (demo_target, tmp_path / "padded"),
+            "target": (tmp_path / "padded", demo_draft)}[padded]
+    export(pair[0], tmp_path / "b", draft=pair[1], precision="fp32")
+    engine = edgespec.load(tmp_path / "b")
+    ar = engine.generate("def quicksort(items):", max_new_tokens=40, mode="ar")
+    spec = engine.generate("def quicksort(items):", max_new_tokens=40, mode="spec")
+    assert spec.token_ids == ar.token_ids and spec.stats.accepted > 0
+
+
 @pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
                                      KeyboardInterrupt()])
 def test_interrupted_export_leaves_nothing(tmp_path, demo_target, monkeypatch, failure):

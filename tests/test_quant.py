@@ -45,6 +45,24 @@ def test_matmulnbits_computes_with_our_dequantized_weight(bits, symmetric, expli
     np.testing.assert_allclose(run_matmulnbits(x, q, explicit_zp), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [48, 64, 80])  # 48, 80: padded past K in blocks of 32
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_codes_split_into_blocks_of_16_compute_the_same_weight(k, symmetric):
+    """The layout graphs with one-row passes read (export.graph.invariant): blocks of 16
+    MatMulNBits accepts (ceil(K / 16) a row), computing what the blocks of 32 hold."""
+    from edgespec.quant.blockwise import split_blocks
+
+    rng = np.random.default_rng(k)
+    w = rng.normal(size=(24, k)).astype(np.float32) + 0.5
+    x = rng.normal(size=(3, k)).astype(np.float32)
+    q = quantize_blockwise(w, 4, 32, symmetric)
+    split = split_blocks(q, 16)
+    assert split.packed.shape == (24, -(-k // 16), 8)
+    np.testing.assert_array_equal(dequantize(split), dequantize(q))
+    np.testing.assert_allclose(run_matmulnbits(x, split, not symmetric), x @ dequantize(q).T,
+                               rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("bits", [2, 4])
 def test_asymmetric_beats_symmetric_on_lopsided_weights(bits):
     w = np.random.default_rng(bits).uniform(0.0, 1.0, size=(32, 128)).astype(np.float32)

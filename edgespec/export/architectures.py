@@ -159,7 +159,7 @@ class LlamaAdapter:
             sliding_window=self.sliding_windows(c))
         if ckpt.rope_factors is not None:  # a GGUF's precomputed Llama 3 RoPE divisors
             self.spec.inv_freq = self.spec.inv_freq / ckpt.rope_factors
-        act = c.get("hidden_act") or c.get("hidden_activation") or "silu"
+        act = self.activation(c)
         if act not in ("silu", "gelu_pytorch_tanh"):
             raise EdgespecError(f"{ckpt.path}: activation '{act}' is not supported yet.")
         self.spec.activation = "silu" if act == "silu" else "gelu_tanh"
@@ -168,6 +168,10 @@ class LlamaAdapter:
                                 "biases are not supported yet.")
 
     has_qkv_bias = False
+
+    @staticmethod
+    def activation(c: dict[str, Any]) -> str:
+        return c.get("hidden_act") or c.get("hidden_activation") or "silu"
 
     def sliding_windows(self, c: dict[str, Any]) -> list[int | None]:
         window = c.get("sliding_window")
@@ -260,6 +264,13 @@ class GemmaAdapter(LlamaAdapter):
         super().__init__(ckpt)
         self.spec.embed_scale = math.sqrt(self.spec.hidden_size)
 
+    @staticmethod
+    def activation(c: dict[str, Any]) -> str:
+        """As transformers reads it: the official releases' legacy "gelu" meant the tanh
+        approximation, which is also the default."""
+        act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+        return "gelu_pytorch_tanh" if act == "gelu" else act
+
     def norm(self, name: str) -> np.ndarray:
         """(1 + w); llama.cpp's converter already stored 1 + w in GGUF files."""
         return self.get(name) if self.ckpt.norms_shifted else 1.0 + self.get(name)
@@ -324,8 +335,18 @@ ADAPTERS: dict[str, type[LlamaAdapter]] = {
 }
 
 
+# config.json's model_type -> its causal LM class, for a config that names no architectures
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+               "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "phi3": "Phi3ForCausalLM", "gemma": "GemmaForCausalLM",
+               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+
+
 def adapter_for(ckpt: Checkpoint) -> LlamaAdapter:
-    archs = ckpt.config.get("architectures") or [ckpt.config.get("model_type", "unknown")]
+    if not ckpt.config.get("architectures"):  # as transformers' AutoModelForCausalLM reads it
+        model_type = ckpt.config.get("model_type", "unknown")
+        ckpt.config["architectures"] = [MODEL_TYPES.get(model_type, model_type)]
+    archs = ckpt.config["architectures"]
     if archs[0] not in ADAPTERS:
         raise EdgespecError(f"{ckpt.path}: architecture {archs[0]} is not supported; "
                             f"edgespec exports {', '.join(sorted(ADAPTERS))}.")

@@ -40,5 +40,9 @@ def resolve_checkpoint(name_or_path: str | Path, trust_remote_code: bool = False
     try:
         return Path(snapshot_download(name, allow_patterns=patterns))
     except Exception as e:  # network, auth, missing repo: all user-facing
+        folder = name.split("/")[0]
+        local = (f"; nor is it in the local folder {folder}/, if a path was meant"
+                 if Path(folder).is_dir() else "")
         raise EdgespecError(f"could not download {name} from the Hugging Face Hub "
-                            f"({type(e).__name__}: {str(e).splitlines()[0]}).") from None
+                            f"({type(e).__name__}: {str(e).splitlines()[0]}){local}."
+                            ) from None

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from edgespec import __version__, kernels
-from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, write_bundle
+from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, cleanup_on_termination, write_bundle
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import Weight, adapter_for
 from edgespec.export.calibrate import add_stat_outputs, second_moments
@@ -402,7 +402,9 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     if kv_cache == "int8" and ep_profile == "dml":
         raise EdgespecError("an int8 KV cache needs GroupQueryAttention: use the cpu or cuda "
                             "profile.")
-    with tempfile.TemporaryDirectory(prefix="edgespec-source-") as scratch:
+    # SIGTERM unwinds from the first step, so the scratch folder goes too
+    with cleanup_on_termination(), tempfile.TemporaryDirectory(
+            prefix="edgespec-source-") as scratch:
         target_src = open_source(target, Path(scratch) / "target", trust_remote_code,
                                  keep_codes=not requantize)
         draft_src = (open_source(draft, Path(scratch) / "draft", trust_remote_code,
@@ -464,6 +466,11 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             kept = (_vocab_to_keep(tmp, target_dir, target_entry, eos_ids, vocab_trim,
                                    trim_source, trim_prompts, progress)
                     if (draft_src or nested) and vocab_trim else None)
+            if draft_src and draft_src.config["vocab_size"] != target_entry.vocab_size:
+                # one tokenizer, its embedding padded to other sizes (Qwen2.5 0.5B and 7B):
+                # the draft scores the ids both have, and q = 0 for the rest is lossless
+                both = min(draft_src.config["vocab_size"], target_entry.vocab_size)
+                kept = np.arange(both) if kept is None else kept[kept < both]
             if kept is not None:
                 np.save(tmp / "draft_vocab.npy", kept)
             sequences = target_scales = None

@@ -69,6 +69,17 @@ def split_blocks(q: QuantizedWeight, block: int) -> QuantizedWeight:
     of ones that repeats them at load, so nothing is stored twice."""
     r = q.block_size // block
     n, nb = q.packed.shape[:2]
+    keep = -(-q.k // block)  # MatMulNBits reads ceil(K / block) blocks a row
+    if keep < nb * r:  # K zero-padded to q.block_size: the sub-blocks wholly past K go
+
+        def cut(per_block: np.ndarray) -> np.ndarray:
+            return np.repeat(per_block.reshape(n, nb), r, axis=1)[:, :keep].reshape(-1)
+
+        return QuantizedWeight(
+            packed=q.packed.reshape(n, nb * r, -1)[:, :keep], scales=cut(q.scales),
+            zero_points=np.repeat(q.zero_points, r, axis=1)[:, :keep], bits=q.bits,
+            block_size=block, n=n, k=q.k, symmetric=q.symmetric,
+            mins=None if q.mins is None else cut(q.mins))
 
     def repeated(parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         ones = np.ones((1,) * parts[0].ndim + (r,), np.uint8)
