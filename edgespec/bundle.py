@@ -230,13 +230,22 @@ def _replaceable(out: Path) -> None:
                             "edgespec bundle directory (with --overwrite), so choose "
                             "another --out.")
     try:
-        is_bundle = json.loads((out / MANIFEST).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+        raw = json.loads((out / MANIFEST).read_text())
+        is_bundle = raw.get("format") == FORMAT
+        listed = {*raw.get("files", {}), MANIFEST}
+    except (OSError, ValueError, AttributeError, TypeError):
         is_bundle = False
     if not is_bundle:
         raise EdgespecError(f"{out} is not an edgespec bundle (no valid {MANIFEST}); an "
                             "export replaces only bundles (with --overwrite), so choose "
                             "another --out.")
+    others = sorted(p.relative_to(out).as_posix() for p in out.rglob("*")
+                    if not p.is_dir() and p.relative_to(out).as_posix() not in listed)
+    if others:
+        raise EdgespecError(f"{out} holds {others[0]}"
+                            f"{f' and {len(others) - 1} more' if len(others) > 1 else ''}, "
+                            "which its bundle does not list; move it out of the folder "
+                            "before --overwrite replaces the folder.")
 
 
 @contextmanager

@@ -57,6 +57,12 @@ def test_overwrite_refuses_a_folder_that_holds_the_target(tmp_path, checkpoint):
                       "which this export reads")
     assert tree(bundle) == before
     shutil.rmtree(inside)
+    (bundle / "notes.txt").write_text("mine")  # a file the bundle does not list
+    before = tree(bundle)
+    assert_user_error(run("export", str(checkpoint), "--out", str(bundle), "--overwrite"),
+                      "holds notes.txt, which its bundle does not list")
+    assert tree(bundle) == before
+    (bundle / "notes.txt").unlink()
     out = run("export", str(checkpoint), "--out", str(bundle), "--overwrite",
               "--precision", "int4")
     assert out.returncode == 0, out.stderr  # a bundle is still replaced

@@ -191,6 +191,20 @@ def test_unsupported_architecture_lists_supported(tmp_path, demo_target):
     assert not (tmp_path / "b").exists()
 
 
+@pytest.mark.parametrize("key,change", [("hidden_size", 2), ("num_key_value_heads", 2),
+                                        ("intermediate_size", 2)])
+def test_a_config_that_does_not_describe_its_weights_is_refused(tmp_path, demo_target, key,
+                                                                change):
+    ckpt = shutil.copytree(demo_target, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config[key] *= change
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EdgespecError, match="config.json describes .* does not match the "
+                                            "weights"):
+        export(ckpt, tmp_path / "b", precision="fp32")
+    assert not (tmp_path / "b").exists()
+
+
 def test_mismatched_draft_vocabulary_is_refused(tmp_path, demo_target):
     draft = shutil.copytree(demo_target, tmp_path / "draft")
     tok = json.loads((draft / "tokenizer.json").read_text())

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from edgespec.errors import EdgespecError
-from edgespec.export.checkpoint import Checkpoint
+from edgespec.export.checkpoint import BNB_4BIT_STATE, Checkpoint
 from edgespec.quant.blockwise import QuantizedWeight
 
 # a linear weight: float [out, in], an exact imported encoding, or parts that could not be
@@ -172,6 +172,28 @@ class LlamaAdapter:
     @staticmethod
     def activation(c: dict[str, Any]) -> str:
         return c.get("hidden_act") or c.get("hidden_activation") or "silu"
+
+    def check_shapes(self) -> None:
+        """A config that does not describe its weights (an edited hidden_size, a wrong
+        head count) is refused here, as transformers refuses to load it, rather than
+        exported into a graph that computes garbage or fails when it runs."""
+        s = self.spec
+        d, q, kv, i = (s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                       s.intermediate_size)
+        shapes = {"embed_tokens.weight": (s.vocab_size, d), "lm_head.weight": (s.vocab_size, d),
+                  "q_proj.weight": (q, d), "k_proj.weight": (kv, d), "v_proj.weight": (kv, d),
+                  "o_proj.weight": (d, q), "qkv_proj.weight": (q + 2 * kv, d),
+                  "gate_proj.weight": (i, d), "up_proj.weight": (i, d),
+                  "down_proj.weight": (d, i), "gate_up_proj.weight": (2 * i, d)}
+        for name, tensor in self.ckpt.tensors.items():
+            want = shapes.get(name.rsplit(".", 2)[-2] + ".weight" if name.endswith(
+                ".weight") else "")
+            packed = any(f"{name}.{k}" in self.ckpt.tensors for k in BNB_4BIT_STATE)
+            if want and not packed and tuple(tensor.shape) != want:
+                raise EdgespecError(
+                    f"{self.ckpt.path}: {name} is {list(tensor.shape)}, but config.json "
+                    f"describes {list(want)}; the config does not match the weights (a "
+                    "wrong size or head count): correct it or download the checkpoint again.")
 
     def sliding_windows(self, c: dict[str, Any]) -> list[int | None]:
         window = c.get("sliding_window")
@@ -350,4 +372,7 @@ def adapter_for(ckpt: Checkpoint) -> LlamaAdapter:
     if archs[0] not in ADAPTERS:
         raise EdgespecError(f"{ckpt.path}: architecture {archs[0]} is not supported; "
                             f"edgespec exports {', '.join(sorted(ADAPTERS))}.")
-    return ADAPTERS[archs[0]](ckpt)
+    adapter = ADAPTERS[archs[0]](ckpt)
+    if type(ckpt) is Checkpoint:  # a GGUF file's config is read from its own tensors
+        adapter.check_shapes()
+    return adapter
