@@ -23,7 +23,7 @@ from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgespec.errors import EdgespecError
+from edgespec.errors import DamagedBundleError, EdgespecError
 
 MANIFEST = "edgespec.json"
 FORMAT = "edgespec-bundle"
@@ -214,11 +214,11 @@ def read_manifest(bundle: Path | str, verify: bool = True) -> Manifest:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise _fail(mpath, f"file entry '{name}' points outside the bundle; re-export it.")
         if not path.is_file():
-            raise EdgespecError(f"{path} is missing from the bundle; copy the whole bundle "
-                                "again or re-export it.")
+            raise DamagedBundleError(f"{path} is missing from the bundle; copy the whole "
+                                     "bundle again or re-export it.")
         if verify and sha256(path) != digest:
-            raise EdgespecError(f"{path} is corrupted (its sha256 does not match the "
-                                "manifest); copy the bundle again or re-export it.")
+            raise DamagedBundleError(f"{path} is corrupted (its sha256 does not match the "
+                                     "manifest); copy the bundle again or re-export it.")
     return manifest
 
 
@@ -289,6 +289,10 @@ def _write_bundle(out: Path, overwrite: bool) -> Iterator[tuple[Path, Callable]]
         if not overwrite:
             raise EdgespecError(f"{out} already holds a bundle; pass --overwrite to replace "
                                 "it or choose another --out.")
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise EdgespecError(f"{blocking} is a file, so {out} cannot be made inside it; "
+                            "choose another --out.")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     finished: list[Manifest] = []

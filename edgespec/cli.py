@@ -32,9 +32,9 @@ model_option = click.option(
 def open_model(model: str | None, runtime: dict) -> Any:
     """The engine for what --model names (see edgespec.model_cache)."""
     from edgespec import load
-    from edgespec.model_cache import resolve_model
+    from edgespec.model_cache import open_cached
 
-    return load(resolve_model(model, err), **runtime)
+    return open_cached(model, lambda bundle: load(bundle, **runtime), err)
 
 
 def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:

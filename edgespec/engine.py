@@ -22,7 +22,7 @@ import numpy as np
 
 from edgespec.bundle import ModelEntry, read_manifest
 from edgespec.errors import EdgespecError
-from edgespec.model_cache import resolve_model
+from edgespec.model_cache import open_cached
 from edgespec.runtimes import DecoderSession, pool, resolve_providers
 from edgespec.runtimes.decoder import SharedKVCache, release_freed_heap
 from edgespec.runtimes.providers import PROVIDER
@@ -693,7 +693,7 @@ def load(path: Path | str | None = None, providers: list[str] | None = None,
     `threads` sets ONNX Runtime's intra-op threads (0: one per core; 1 is faster on a busy
     machine; one pool for the whole process after runtimes.pool.share_threads()); see
     Engine for offload (`gpu_memory`, `placements`), `draft_device` and `allow_inexact`."""
-    return Engine(resolve_model(path), device=device, providers=providers, verify=verify,
-                  context=context, threads=threads, gpu_memory=gpu_memory,
-                  draft_device=draft_device, placements=placements,
-                  allow_inexact=allow_inexact)
+    return open_cached(path, lambda bundle: Engine(
+        bundle, device=device, providers=providers, verify=verify, context=context,
+        threads=threads, gpu_memory=gpu_memory, draft_device=draft_device,
+        placements=placements, allow_inexact=allow_inexact))

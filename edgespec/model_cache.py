@@ -13,13 +13,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
 from edgespec.bundle import FORMAT_VERSION, MANIFEST
-from edgespec.errors import EdgespecError
+from edgespec.errors import DamagedBundleError, EdgespecError, WriteError
+
+T = TypeVar("T")
 
 # bumped when exports change what their graphs can do: a bundle cached before still runs,
 # but the cache then exports anew (2: prefills score their last rows only; 3: tied
@@ -121,12 +125,42 @@ def cached_bundle(source: str | Path, console: Console | None = None,
         return out
     from edgespec.export import export
 
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EdgespecError(f"cannot create the model cache {out.parent} ({e.strerror or e}); "
+                            "set EDGESPEC_CACHE to a folder you can write.") from None
     console = console or Console(stderr=True)
     console.print(f"[dim]exporting {path} once into {out} (later runs reuse it)[/dim]",
                   highlight=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    export(path, out, console=console, summary=False, **options)
+    try:
+        export(path, out, console=console, summary=False, **options)
+    except WriteError as e:
+        raise EdgespecError(f"could not write the export of {path.name} into the model cache "
+                            f"{out.parent} ({e.reason}); nothing was left behind, "
+                            f"{'free space or ' if e.full else ''}set EDGESPEC_CACHE to "
+                            "another folder.") from None
     return out
+
+
+def open_cached(model: str | Path | None, opener: Callable[[Path | None], T],
+                console: Console | None = None) -> T:
+    """`opener(bundle)` for the bundle `model` names (resolve_model); a cached export found
+    damaged (a file truncated or changed since) is deleted and exported again, once: the
+    cache is edgespec's own, and its user has no --overwrite to mend it with."""
+    bundle = resolve_model(model, console)
+    try:
+        return opener(bundle)
+    except DamagedBundleError:
+        cached = cache_dir().resolve() / "bundles"
+        if bundle is None or bundle.resolve().parent != cached or \
+                Path(model).expanduser().resolve() == bundle.resolve():
+            raise
+        (console or Console(stderr=True)).print(
+            f"[dim]the cached export {bundle} is damaged (a file is missing or has changed); "
+            "exporting it again[/dim]", highlight=False)
+        shutil.rmtree(bundle)
+        return opener(resolve_model(model, console))
 
 
 def resolve_model(model: str | Path | None, console: Console | None = None) -> Path | None:

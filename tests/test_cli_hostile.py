@@ -69,6 +69,34 @@ def test_overwrite_refuses_a_folder_that_holds_the_target(tmp_path, checkpoint):
     assert json.loads((bundle / MANIFEST).read_text())["target"]["precision"] == "int4"
 
 
+def test_a_cache_or_an_out_under_a_file_is_one_sentence(tmp_path, checkpoint):
+    (tmp_path / "plain").write_text("keep me")
+    assert_user_error(run("generate", "x", "--model", str(checkpoint),
+                          env={"EDGESPEC_CACHE": str(tmp_path / "plain")}),
+                      "cannot create the model cache", "set EDGESPEC_CACHE")
+    assert_user_error(run("export", str(checkpoint), "--out", str(tmp_path / "plain" / "b")),
+                      "plain is a file, so", "choose another --out")
+    assert (tmp_path / "plain").read_text() == "keep me"
+
+
+def test_a_damaged_cached_export_is_made_again(tmp_path, checkpoint, monkeypatch):
+    import edgespec
+
+    env = {"EDGESPEC_CACHE": str(tmp_path / "cache")}
+    args = ("generate", "def f(", "--model", str(checkpoint), "--max-new-tokens", "8")
+    first = run(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    (cached,) = (tmp_path / "cache" / "bundles").iterdir()
+    data = cached / "target.onnx.data"
+    data.write_bytes(data.read_bytes()[:1000])
+    again = run(*args, env=env)
+    assert again.returncode == 0 and "is damaged" in again.stderr, again.stderr
+    assert again.stdout == first.stdout
+    data.unlink()  # the library mends it the same way
+    monkeypatch.setenv("EDGESPEC_CACHE", env["EDGESPEC_CACHE"])
+    assert edgespec.load(checkpoint).path == cached and data.is_file()
+
+
 # 11: --out FILE --overwrite is refused before anything is written
 def test_overwrite_refuses_a_file(tmp_path, checkpoint):
     target = tmp_path / "notes.txt"

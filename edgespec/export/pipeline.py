@@ -22,7 +22,7 @@ from rich.table import Table
 
 from edgespec import __version__, kernels
 from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, cleanup_on_termination, write_bundle
-from edgespec.errors import EdgespecError
+from edgespec.errors import EdgespecError, WriteError
 from edgespec.export.architectures import Weight, adapter_for
 from edgespec.export.calibrate import add_stat_outputs, second_moments
 from edgespec.export.draft_head import (
@@ -537,9 +537,10 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
                                                           "source": trim_source}}))
             sizes = {name: (tmp / name).stat().st_size for name in manifest.files}
     except OSError as e:  # disk full, permissions, a vanished directory
-        advice = "free space or choose" if e.errno == errno.ENOSPC else "choose"
-        raise EdgespecError(f"could not write the bundle {out} ({e.strerror or e}); nothing "
-                            f"was left behind, {advice} another --out.") from None
+        full = e.errno == errno.ENOSPC
+        raise WriteError(f"could not write the bundle {out} ({e.strerror or e}); nothing "
+                         f"was left behind, {'free space or choose' if full else 'choose'} "
+                         "another --out.", str(e.strerror or e), full) from None
     return manifest, sizes
 
 
