@@ -45,6 +45,9 @@ def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> in
     try:
         size = parse_bytes(value)
     except EdgespecError as e:
+        if param.name == "bandwidth":  # a rate, written like a size per second
+            raise click.BadParameter(f"cannot read {value!r} as bytes per second; write "
+                                     "e.g. 25GB.") from None
         raise click.BadParameter(str(e)) from None
     if size == 0:
         raise click.BadParameter("must be more than 0.")
@@ -685,7 +688,7 @@ def plan(bundle: Path | None, gpu_memory: int | None, context: int, bandwidth: i
     if as_json:
         click.echo(json.dumps(plan_dict(result, assumed), indent=1))
     else:
-        print_plan(result, assumed, Console())
+        print_plan(result, assumed, Console(), limited=result.context < context)
 
 
 @cli.command()

@@ -27,6 +27,7 @@ from edgespec.runtimes.planner import (
     measure_costs,
 )
 from edgespec.runtimes.providers import PROVIDER
+from edgespec.runtimes.segments import splittable
 
 
 def plan_bundle(path: Path, gpu_memory: int | None, context: int,
@@ -41,7 +42,8 @@ def plan_bundle(path: Path, gpu_memory: int | None, context: int,
                             "give the budget with --gpu-memory, e.g. --gpu-memory 6GiB.")
     gpu = free is not None and PROVIDER["cuda"] in ort.get_available_providers()
     context = min(context, m.target.max_positions)
-    costs, assumed = measure_costs(path / m.target.graph, m.target, gpu, threads, bandwidth)
+    costs, assumed = (measure_costs(path / m.target.graph, m.target, gpu, threads, bandwidth)
+                      if splittable(m.target) else (None, []))  # planned if all of it fits
     sizes = ModelSizes.of(path / m.target.graph, m.target)
     draft = (ModelSizes.of(path / m.draft.graph, m.draft)
              if m.draft and m.draft.graph != m.target.graph else None)
@@ -52,7 +54,8 @@ def plan_bundle(path: Path, gpu_memory: int | None, context: int,
 
 
 def plan_dict(plan: Plan, assumed: list[str]) -> dict[str, Any]:
-    return {"gpu_memory": plan.budget, "gpu_bytes": plan.gpu_bytes, "offload": plan.offload,
+    return {"gpu_memory": plan.budget, "gpu_bytes": plan.gpu_bytes, "context": plan.context,
+            "offload": plan.offload,
             "resident_layers": plan.resident_layers, "tree_budget": plan.tree_budget,
             "draft_device": plan.draft_device, "assumed": assumed,
             "items": [vars(i) for i in plan.items],
@@ -60,7 +63,9 @@ def plan_dict(plan: Plan, assumed: list[str]) -> dict[str, Any]:
             "pass_ms": {t: round(s * 1e3, 4) for t, s in plan.pass_s.items()}}
 
 
-def print_plan(plan: Plan, assumed: list[str], console: Console) -> None:
+def print_plan(plan: Plan, assumed: list[str], console: Console, limited: bool = False
+               ) -> None:
+    """The plan's tables; `limited`: the context asked for was cut to the model's own."""
     table = Table(title=f"plan for {fmt_bytes(plan.budget)} of GPU memory: {plan.summary()}")
     for column in ("part", "size", "where"):
         table.add_column(column, justify="right" if column == "size" else "left")
@@ -68,13 +73,17 @@ def print_plan(plan: Plan, assumed: list[str], console: Console) -> None:
         style = {"gpu": "green", "streamed": "yellow", "cpu": "cyan"}[item.where]
         table.add_row(item.what, fmt_bytes(item.nbytes), f"[{style}]{item.where}[/{style}]")
     console.print(table)
-    passes = Table(title="target pass time by tokens verified (cost model)")
-    passes.add_column("tokens")
-    passes.add_column("pass ms", justify="right")
-    for t in BUDGETS:
-        mark = " <- tree budget" if t == plan.tree_budget else ""
-        passes.add_row(str(t), f"{plan.pass_s[t] * 1e3:.2f}{mark}")
-    console.print(passes)
-    console.print(f"GPU memory used: {fmt_bytes(plan.gpu_bytes)}; draft on {plan.draft_device}")
+    if plan.pass_s:  # none for a bundle offload cannot cut (and so does not time)
+        passes = Table(title="target pass time by tokens verified (cost model)")
+        passes.add_column("tokens")
+        passes.add_column("pass ms", justify="right")
+        for t in BUDGETS:
+            mark = " <- tree budget" if t == plan.tree_budget else ""
+            passes.add_row(str(t), f"{plan.pass_s[t] * 1e3:.2f}{mark}")
+        console.print(passes)
+    draft = f"; draft on {plan.draft_device}" if plan.draft_device else ""
+    cut = " (the model's limit)" if limited else ""
+    console.print(f"GPU memory used: {fmt_bytes(plan.gpu_bytes)}{draft}; KV cache for "
+                  f"{plan.context} tokens{cut}")
     if assumed:
         console.print(f"[yellow]assumed, not measured: {', '.join(assumed)}[/yellow]")

@@ -147,6 +147,17 @@ def test_a_model_that_fits_is_not_offloaded():
     assert p.tree_budget == 0
 
 
+def test_the_whole_target_stays_on_the_gpu_before_the_draft_does():
+    """1130 MiB hold the target (60 + 10 + 50 + 1000) but not the draft beside it: the
+    draft runs on the CPU rather than 2 target layers being offloaded to make room."""
+    p = plan(1130, Costs(10e9, (0.05, 0.0), GPU))
+    assert p.offload == "none" and p.draft_device == "cpu"
+    assert spans(p) == [(0, 12, "cuda", False)] and p.gpu_bytes == 1120 * MiB
+    assert "the draft on the CPU" in p.summary()
+    more = plan(1151, Costs(10e9, (0.05, 0.0), GPU))
+    assert more.offload == "none" and more.draft_device == "cuda"
+
+
 def test_slow_cpu_and_fast_pcie_stream_the_offloaded_layers():
     """1000 MiB: head 60 + draft 31 leave 909; streaming reserves KV 10 and two 2-layer
     buffers 400, so 499 MiB hold 4 layers; the embedding stays in host memory and 6
@@ -218,9 +229,16 @@ def test_plan_command(demo_bundle, nested_bundle):
     assert "GPU layer times (no GPU here)" in got["assumed"]
     table = run("plan", str(demo_bundle), "--gpu-memory", "16MiB")
     assert table.returncode == 0 and "target LM head" in table.stdout
+    limit = read_manifest(demo_bundle).target.max_positions
+    wide = run("plan", str(demo_bundle), "--gpu-memory", "1GiB", "--context", "100000")
+    assert f"KV cache for {limit} tokens (the model's limit)" in " ".join(wide.stdout.split())
     assert_user_error(run("plan", str(demo_bundle)), "--gpu-memory")
     assert_user_error(run("plan", str(nested_bundle), "--gpu-memory", "8MiB"),
                       "cannot split a BitNest")
+    fits = run("plan", str(nested_bundle), "--gpu-memory", "1GiB")  # nothing to split
+    assert fits.returncode == 0 and "draft on" not in fits.stdout, fits.stderr  # one graph
+    fits = json.loads(run("plan", str(nested_bundle), "--gpu-memory", "1GiB", "--json").stdout)
+    assert fits["offload"] == "none" and fits["draft_device"] is None
     assert_user_error(run("generate", "x", "--device", "cpu", "--gpu-memory", "1GiB"),
                       "does not use CUDA")
 

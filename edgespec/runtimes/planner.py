@@ -27,7 +27,13 @@ from edgespec.errors import EdgespecError
 from edgespec.runtimes.decoder import STEP_INPUTS, step_inputs
 from edgespec.runtimes.pool import session_options
 from edgespec.runtimes.providers import PROVIDER, nvidia_smi
-from edgespec.runtimes.segments import Placement, Segment, check_splittable, tensor_bytes
+from edgespec.runtimes.segments import (
+    UNSPLITTABLE,
+    Placement,
+    Segment,
+    check_splittable,
+    tensor_bytes,
+)
 
 GiB = 1 << 30
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -151,13 +157,17 @@ class Plan:
     offload: str  # "none", "streamed" or "cpu"
     tree_budget: int  # 0: no tree (nothing offloaded)
     pass_s: dict[int, float] = field(default_factory=dict)  # target pass time by tokens
-    draft_device: str = "cuda"
+    draft_device: str | None = None  # None: no draft of its own
+    context: int = 0  # tokens of KV cache planned for
 
     @property
     def gpu_bytes(self) -> int:
         return sum(i.nbytes for i in self.items if i.where == "gpu")
 
     def summary(self) -> str:
+        if self.offload == "none" and self.draft_device == "cpu":
+            return (f"the whole target on the GPU ({fmt_bytes(self.gpu_bytes)}), the draft "
+                    "on the CPU")
         if self.offload == "none":
             return f"everything on the GPU ({fmt_bytes(self.gpu_bytes)})"
         n, layers = self.resident_layers, self.placements[-1].start - 1  # head: unit L+1
@@ -184,13 +194,15 @@ def _merge(placements: list[Placement]) -> list[Placement]:
     return out
 
 
-def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
+def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs | None,
               draft: ModelSizes | None = None, slack: float = 0.25,
               acceptance: float = 0.8, group_bytes: int | None = None) -> Plan:
     """Place the target (and draft) in `budget` bytes of GPU memory.
 
     Order of residency: the target's LM head and the per-segment constants, the draft
-    with its KV cache, then (when not everything fits) the target's KV cache for every
+    with its KV cache (unless only leaving it out keeps the whole target on the GPU: an
+    offloaded layer costs more than a draft on the CPU), then (when not everything fits)
+    the target's KV cache for every
     layer the GPU computes, two buffers for streamed weights, and target layers from the
     first on. An offloaded plan leaves the embedding table in host memory (a pass gathers
     S rows of it). Offloaded layers are streamed in groups of about `group_bytes`
@@ -213,17 +225,24 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
         raise EdgespecError(f"a GPU budget of {fmt_bytes(budget)} cannot even hold the "
                             f"target's LM head ({fmt_bytes(sizes.head)}); give more GPU "
                             "memory, or run the model on the CPU.")
-    draft_device = "cuda"
-    if draft is not None:
-        draft_device = "cuda" if take("draft model + its KV cache",
-                                      draft.total + draft.kv_per_token * context) else "cpu"
     kv = sizes.kv_per_token * context
-    if sizes.embed + sum(sizes.layers) + kv <= free:
+    whole = sizes.embed + sum(sizes.layers) + kv
+    draft_device = None
+    if draft is not None:
+        need = draft.total + draft.kv_per_token * context
+        if whole <= free < whole + need:
+            items.append(Item("draft model + its KV cache", need, "cpu"))
+            draft_device = "cpu"
+        else:
+            draft_device = "cuda" if take("draft model + its KV cache", need) else "cpu"
+    if whole <= free:
         take("target KV cache", kv)
         take("target embedding + all layers", sizes.embed + sum(sizes.layers))
-        pass_s = {t: layers * costs.gpu(t) for t in BUDGETS}
+        pass_s = {t: layers * costs.gpu(t) for t in BUDGETS} if costs else {}
         return Plan(budget, items, [Placement(0, layers + 2, "cuda")], layers, "none", 0,
-                    pass_s, draft_device)
+                    pass_s, draft_device, context)
+    if costs is None:  # measure_costs cannot cut such a bundle's graph
+        raise EdgespecError(UNSPLITTABLE)
 
     # streaming keeps every layer's KV and two groups' buffers on the GPU; CPU layers
     # keep their KV in host memory
@@ -278,7 +297,7 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs,
         placements.append(Placement(first + 1, stop + 1, "cuda" if streamed else "cpu",
                                     streamed))
     return Plan(budget, items, _merge([*placements, head]), resident, offload, tree, pass_s,
-                draft_device)
+                draft_device, context)
 
 
 ASSUMED_BANDWIDTH = 16e9  # PCIe 4.0 x16 as measured in practice, when no GPU is here to ask

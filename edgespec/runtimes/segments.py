@@ -63,13 +63,19 @@ def _boundary(graph: onnx.GraphProto, unit: int, num_layers: int) -> list[str]:
     return list(node.input[:width])
 
 
-def check_splittable(entry: ModelEntry) -> None:
+UNSPLITTABLE = ("offload cannot split a BitNest (--draft nested) or dml-profile bundle; "
+                "export the target with --ep-profile cuda and a separate draft.")
+
+
+def splittable(entry: ModelEntry) -> bool:
     """Offload cuts GroupQueryAttention graphs of one model; a BitNest graph (two models)
     or a DirectML one (concatenated KV) cannot be cut."""
-    if entry.kv_layout != "gqa-shared-buffer" or entry.nested:
-        raise EdgespecError("offload cannot split a BitNest (--draft nested) or dml-profile "
-                            "bundle; export the target with --ep-profile cuda and a separate "
-                            "draft.")
+    return entry.kv_layout == "gqa-shared-buffer" and not entry.nested
+
+
+def check_splittable(entry: ModelEntry) -> None:
+    if not splittable(entry):
+        raise EdgespecError(UNSPLITTABLE)
 
 
 def layers_of(placement: Placement, num_layers: int) -> range:
