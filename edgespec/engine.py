@@ -552,7 +552,7 @@ class Engine:
                        else TreeDrafter(self.draft, config.tree_top_k, config.tree_depth,
                                         config.tree_best_first, config.tree_lookup))
             steps = tree_decode(self.target, drafter, ids, config.sampling, config.tree_budget,
-                                rng, stats, on_logits)
+                                rng, stats, on_logits, limit=budget)
         else:
             vocab = self.manifest.target.vocab_size
             if config.mode == "lookup":
@@ -568,7 +568,8 @@ class Engine:
             else:
                 controller = GammaController(config.draft_tokens) if config.adaptive else None
             steps = chain_decode(self.target, drafter, ids, config.sampling,
-                                 config.draft_tokens, rng, stats, controller, on_logits)
+                                 config.draft_tokens, rng, stats, controller, on_logits,
+                                 limit=budget)
         stop = StopStrings(config.stop)
         produced: list[int] = []  # every token committed (and so fed, but the last)
         # a token is handed out once its text begins in the text handed out: where a stop

@@ -173,10 +173,14 @@ def test_stats(engine):
     assert s["prompt_tokens"] == len(engine.tokenizer.encode(PROMPTS[0]))
     assert s["draft_passes"] == s["drafted"] >= s["accepted"]
     assert s["acceptance_rate"] == pytest.approx(s["accepted"] / s["drafted"], abs=1e-6)
-    # every decoding pass commits the accepted drafts plus one token; the last pass may
-    # be cut to max_new_tokens
-    committed = 1 + s["accepted"] + (s["target_passes"] - 1)
-    assert committed - 5 < s["new_tokens"] <= committed
+    # every decoding pass commits the accepted drafts plus one token, and none verifies
+    # drafts past max_new_tokens, so no accepted token is thrown away
+    assert s["new_tokens"] == 1 + s["accepted"] + (s["target_passes"] - 1)
+    for settings in ({"mode": "lookup"}, {"mode": "spec", "adaptive": True},
+                     {"mode": "spec", "draft_tokens": 6}):
+        for n in (7, 9, 40):
+            st = engine.generate(PROMPTS[1], max_new_tokens=n, **settings).stats
+            assert st.new_tokens == n == st.target_passes + st.accepted, (settings, n)
     assert s["tokens_per_target_pass"] == pytest.approx(39 / (s["target_passes"] - 1), 1e-5)
     assert s["wall_s"] >= s["prefill_s"] + s["draft_s"] + s["verify_s"] - 1e-6
     assert s["device"] == "cpu"

@@ -61,22 +61,26 @@ def ar_decode(target: Model, ids: list[int], params: SamplingParams, rng: np.ran
 def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: SamplingParams,
                  gamma: int, rng: np.random.Generator, stats: GenerationStats,
                  controller: GammaController | None = None,
-                 on_logits: LogitsSink | None = None) -> Iterator[list[int]]:
+                 on_logits: LogitsSink | None = None,
+                 limit: int | None = None) -> Iterator[list[int]]:
     """Draft up to γ tokens, verify them in one target pass, keep the accepted prefix + 1.
 
     Invariant between steps: `tokens` is everything committed; every cache holds a
     prefix of it and the last committed token is always still to be fed. After a pass
     the caches are trimmed back to that invariant, which is the whole rollback. With a
     `controller`, γ is chosen per pass (up to `gamma`) from measured acceptance and costs.
+    `limit`: the tokens wanted in all; no pass verifies drafts past them.
     """
     drafter.reset()
     tokens = [*ids, prefill(target, ids, params, rng, stats, on_logits)]
     yield tokens[-1:]
     while True:
-        g = controller.gamma() if controller else gamma
-        g = min(g, target.max_len - len(tokens))  # the verify pass must fit
+        room = _room(target, ids, tokens, limit)
+        g = min(controller.gamma() if controller else gamma, room)
         t0 = time.perf_counter()
         proposals, q = drafter.propose(tokens, g, params, rng, stats)
+        if len(proposals) > room:  # copies may run past γ (HybridDrafter), not past this
+            proposals, q = proposals[:room], None if q is None else q[:room]
         t1 = time.perf_counter()
         logits = target.forward(tokens[target.cache.length:] + proposals)
         stats.target_passes += 1
@@ -98,9 +102,17 @@ def chain_decode(target: Model, drafter: Drafter, ids: list[int], params: Sampli
         yield new
 
 
+def _room(target: Model, ids: list[int], tokens: list[int], limit: int | None) -> int:
+    """How many drafts the next pass may verify: it feeds them after the last token and
+    commits one more, within the context and the tokens still wanted."""
+    wanted = len(ids) + limit - len(tokens) - 1 if limit is not None else target.max_len
+    return max(0, min(target.max_len - len(tokens), wanted))
+
+
 def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: SamplingParams,
                 budget: int, rng: np.random.Generator, stats: GenerationStats,
-                on_logits: LogitsSink | None = None) -> Iterator[list[int]]:
+                on_logits: LogitsSink | None = None,
+                limit: int | None = None) -> Iterator[list[int]]:
     """Grow a draft tree, pass it through the target and keep the path it picks.
 
     Sample-and-match on the tree pass's rows (verify_tree) draws every token from the
@@ -122,8 +134,8 @@ def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: Sam
     yield tokens[-1:]
     while True:
         t0 = time.perf_counter()
-        tree = drafter.propose_tree(tokens, min(budget, target.max_len - len(tokens)), params,
-                                    stats)
+        tree = drafter.propose_tree(tokens, min(budget, _room(target, ids, tokens, limit)),
+                                    params, stats)
         t1 = time.perf_counter()
         past = target.cache.length
         logits = target.forward(*tree.verify_inputs(tokens[-1], past))
