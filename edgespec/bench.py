@@ -98,6 +98,7 @@ def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int
         raise EdgespecError(f"{max_new_tokens} new tokens leave no room for a prompt in the "
                             f"model's context of {engine.context_length}; give at most "
                             f"{engine.context_length - 2}.")
+    temperatures = tuple(dict.fromkeys(temperatures))  # a repeated one would count twice
     configs, default = bench_modes(engine, modes, gammas)
     skipped = {}
     for name, config in list(configs.items()):  # warm-up: each mode's first pass allocates

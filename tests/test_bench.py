@@ -55,6 +55,11 @@ def test_without_a_draft_only_ar_and_lookup_run(target_only):
     configs, default = bench_modes(target_only)
     assert list(configs) == ["ar", "lookup"] and default == "ar"
     assert draft_description(target_only) == "none"
+    prompts = select(load_set("real"), ("chat",), 1)
+    report = run_bench(target_only, prompts, max_new_tokens=4, temperatures=(0.0, 0.0),
+                       modes=("ar",))  # a temperature given twice is one row, counted once
+    rows = [r for r in report["rows"] if r["category"] == "chat"]
+    assert len(rows) == 1 and rows[0]["new_tokens"] == 4
 
 
 def test_a_mode_the_engine_refuses_is_reported_with_its_reason(target_only):

@@ -53,6 +53,16 @@ def test_help(command):
     assert out.returncode == 0 and "Usage:" in out.stdout
 
 
+def test_doctor_reads_edgespec_kernels_and_refuses_a_value_it_does_not_know():
+    from edgespec import kernels
+
+    if kernels.vectorized():  # else exports use ONNX Runtime's kernels either way
+        out = run("doctor", env={"EDGESPEC_KERNELS": "onnxruntime"})
+        assert "EDGESPEC_KERNELS=onnxruntime" in " ".join(out.stdout.split()), out.stdout
+    assert_user_error(run("doctor", env={"EDGESPEC_KERNELS": "bogus"}),
+                      "EDGESPEC_KERNELS is 'bogus'")
+
+
 def test_doctor():
     out = run("doctor")
     assert out.returncode == 0, out.stderr

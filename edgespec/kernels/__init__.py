@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import onnxruntime as ort
 
+from edgespec.errors import EdgespecError
+
 if TYPE_CHECKING:
     import onnx
 
@@ -69,17 +71,30 @@ def vectorized() -> bool:
     return bool(path())
 
 
+def asked() -> str:
+    """$EDGESPEC_KERNELS: "edgespec" (the default) or "onnxruntime", for bundles that run
+    on any ONNX Runtime install."""
+    choice = os.environ.get("EDGESPEC_KERNELS", "edgespec")
+    if choice not in ("edgespec", "onnxruntime"):
+        raise EdgespecError(f"EDGESPEC_KERNELS is '{choice}'; set it to 'edgespec' (the "
+                            "default) or 'onnxruntime', or unset it.")
+    return choice
+
+
 def for_export() -> bool:
     """Whether cpu-profile exports put their linears on these kernels: where built and
     vectorized (the portable path is exact but slower than ONNX Runtime's kernels), unless
-    EDGESPEC_KERNELS=onnxruntime asks for bundles that run on any ONNX Runtime install."""
-    return vectorized() and os.environ.get("EDGESPEC_KERNELS", "edgespec") != "onnxruntime"
+    EDGESPEC_KERNELS=onnxruntime asks otherwise."""
+    return vectorized() and asked() == "edgespec"
 
 
 def describe() -> str:
     """What `edgespec doctor` says about the kernels: which path runs them, or why none."""
     if library() is None:
         return "not built (installed without a C compiler): exports use ONNX Runtime's"
+    if vectorized() and asked() == "onnxruntime":
+        return (f"built, {PATHS[path()]}: cpu exports use ONNX Runtime's "
+                "(EDGESPEC_KERNELS=onnxruntime)")
     if vectorized():
         return f"built, {PATHS[path()]}: cpu exports use them"
     return "built, portable C only (no AVX2 here): cpu exports use ONNX Runtime's"
