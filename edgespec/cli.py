@@ -171,7 +171,15 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     ctx = click.get_current_context()
     given = [f"--{name.replace('_', '-')}" for name in ("precision", "quant", "block_size")
              if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
-    if is_gguf(Path(target)) and not requantize and quant != "rot":  # rot: dequantizes all
+    gguf_codes = (is_gguf(Path(target)) and not requantize  # rot and BitNest: recoded
+                  and quant != "rot" and draft != "nested")
+    if gguf_codes and ep_profile == "dml" and "--precision" not in given:
+        precision = "fp16"  # for its float tensors: DirectML has no 8-bit kernel
+    if is_gguf(Path(target)) and draft == "nested":
+        err.print(f"note: --draft nested re-quantizes {target}'s weights into int8 4+4 codes "
+                  "(BitNest), so they do not keep their GGUF types and the bundle is about "
+                  "twice the file; the default draft keeps them.", highlight=False)
+    if gguf_codes:
         said = [f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to its "
                 "float tensors only"] if given else []
         if ctx.get_parameter_source("calibration") != click.core.ParameterSource.DEFAULT:

@@ -266,6 +266,21 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return run(*args, env=env, timeout=600)  # exports of real models take a while
 
 
+def test_a_gguf_file_exports_for_directml_as_it_is_and_says_what_bitnest_does(tmp_path):
+    import json
+
+    out = cli("export", str(smollm2_gguf()), "--out", str(tmp_path / "d"), "--ep-profile",
+              "dml", "--draft", "none")  # the float tensors' default: fp16, not int8
+    assert out.returncode == 0, out.stderr
+    manifest = json.loads((tmp_path / "d" / "edgespec.json").read_text())
+    assert manifest["ep_profile"] == "dml" and manifest["target"]["precision"] == "gguf"
+    nested = cli("export", str(smollm2_gguf()), "--out", str(tmp_path / "n"), "--draft",
+                 "nested", "--precision", "int4")  # refused after the note, fast
+    lines = [line for line in nested.stderr.splitlines() if line.strip()]
+    assert nested.returncode == 1 and len(lines) == 2, nested.stderr
+    assert "re-quantizes" in lines[0] and "do not keep their GGUF types" in lines[0]
+
+
 def test_model_option_takes_a_gguf_file_and_exports_it_once(tmp_path, bundles):
     env = {"EDGESPEC_CACHE": str(tmp_path / "cache")}
     args = ("generate", "--model", str(smollm2_gguf()), "--chat", "--max-new-tokens", "12",

@@ -365,7 +365,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     if ep_profile == "dml" and {precision, draft_precision} & {"int2", "int8"}:
         raise EdgespecError("the dml profile supports fp32, fp16 and int4 weights (DirectML's "
                             "MatMulNBits needs zero points, which 8-bit codes cannot carry, "
-                            "and has no 2-bit kernel).")
+                            "and has no 2-bit kernel); pass --precision int4 or fp16 (and "
+                            "--draft-precision so, where a draft is given).")
     if quant not in ("k", "sym", "asym", "rot"):
         raise EdgespecError(f"quantization '{quant}' is none of k, sym, asym, rot.")
     if quant == "rot" and ({precision, draft_precision} - {"int8", "fp32"}
