@@ -92,6 +92,8 @@ def checkpoint(request, tmp_path_factory, demo_target):
 def test_fp32_export_matches_transformers(checkpoint, tmp_path):
     path, model = checkpoint
     export(path, tmp_path / "b", precision="fp32")
+    data = (tmp_path / "b" / "target.onnx.data").stat().st_size
+    assert data < 4 * model.num_parameters() * 1.02  # a tied embedding is stored once
     sess = session(tmp_path / "b")
     ids = np.random.default_rng(0).integers(0, VOCAB, 24)
     ref = torch_logits(model, ids)

@@ -752,6 +752,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
             outputs.append(helper.make_tensor_value_info(f"present_{kind}_{i}", kv_type,
                                                          present_shape))
 
+    float_table = None  # a float embedding table, which a tied float head reads too
     if g.rowwise and tied:
         x = linear_ops.gather_rowwise(g, lm_head, "input_ids", "lm_head")
     elif isinstance(embeddings, QuantizedWeight):
@@ -760,8 +761,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
             x = g.node("Cast", [x], ["embed.out"], "embed.cast", to=g.onnx_dtype)[0]
     else:
         table = embeddings.astype(g.dtype if precision == "fp32" else np.float16)
-        x = g.node("Gather", [g.const("embed.weight", table), "input_ids"], ["embed.raw"],
-                   "embed")[0]
+        float_table = g.const("embed.weight", table)
+        x = g.node("Gather", [float_table, "input_ids"], ["embed.raw"], "embed")[0]
         if table.dtype != g.dtype:
             x = g.node("Cast", [x], ["embed.out"], "embed.cast", to=g.onnx_dtype)[0]
     if spec.embed_scale:
@@ -926,6 +927,13 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     head_bits = 8 if precision in BITS else None
     if draft_head_rows is not None:
         logits = g.trimmed_nested_head(h, lm_head, draft_head_rows, "lm_head")
+    elif tied and float_table and head_bits is None and not nested and rotation is None:
+        # the table stored once: ONNX Runtime folds its transpose at session load
+        w = g.node("Transpose", [float_table], ["lm_head.tied"], "lm_head.tied",
+                   perm=[1, 0])[0]
+        if precision != "fp32" and g.dtype == np.float32:
+            w = g.node("Cast", [w], ["lm_head.tied.c"], "lm_head.upcast", to=g.onnx_dtype)[0]
+        logits = g.node("MatMul", [h, w], ["lm_head.out"], "lm_head")[0]
     else:
         logits = g.linear(h, lm_head, "lm_head", bits=head_bits, whole_nest=True,
                           store="lm_head")
