@@ -223,7 +223,8 @@ def make_plan(sizes: ModelSizes, budget: int, context: int, costs: Costs | None,
     head = Placement(layers + 1, layers + 2, "cuda")
     if not take("target LM head + final norm", sizes.head + sizes.shared):
         raise EdgespecError(f"a GPU budget of {fmt_bytes(budget)} cannot even hold the "
-                            f"target's LM head ({fmt_bytes(sizes.head)}); give more GPU "
+                            f"target's LM head and the constants every segment shares "
+                            f"({fmt_bytes(sizes.head + sizes.shared)}); give more GPU "
                             "memory, or run the model on the CPU.")
     kv = sizes.kv_per_token * context
     whole = sizes.embed + sum(sizes.layers) + kv
