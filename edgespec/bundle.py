@@ -94,7 +94,7 @@ def sha256(path: Path) -> str:
 
 
 def _fail(path: Path, problem: str) -> EdgespecError:
-    return EdgespecError(f"{path}: {problem}")
+    return DamagedBundleError(f"{path}: {problem}")
 
 
 def _check_type(mpath: Path, where: str, value: Any, kind: type | tuple) -> None:

@@ -688,11 +688,11 @@ def plan(bundle: Path | None, gpu_memory: int | None, context: int, bandwidth: i
     """Show where BUNDLE's parts would live under a GPU memory budget (BUNDLE: anything
     --model takes, a .gguf file too; default: the demo)."""
     from edgespec.engine import demo_bundle
-    from edgespec.model_cache import resolve_model
+    from edgespec.model_cache import open_cached
     from edgespec.plan import plan_bundle, plan_dict, print_plan
 
-    result, assumed = plan_bundle(resolve_model(bundle, err) or demo_bundle(), gpu_memory,
-                                  context, bandwidth, threads)
+    result, assumed = open_cached(bundle, lambda path: plan_bundle(
+        path or demo_bundle(), gpu_memory, context, bandwidth, threads), err)
     if as_json:
         click.echo(json.dumps(plan_dict(result, assumed), indent=1))
     else:

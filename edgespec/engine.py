@@ -232,7 +232,7 @@ class Engine:
         AR, and the others are refused unless `allow_inexact` (for exercising a GPU
         profile's code paths on a CPU)."""
         if context is not None and (isinstance(context, bool) or not isinstance(
-                context, int) or context < 2):
+                context, (int, np.integer)) or context < 2):
             raise EdgespecError(f"context must be a whole number of at least 2 tokens, not "
                                 f"{context!r}.")
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
@@ -243,7 +243,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(self.path)
         providers = providers or resolve_providers(device)
         m = self.manifest
-        max_len = context or DEFAULT_CONTEXT
+        max_len = int(context or DEFAULT_CONTEXT)
         target_path = self.path / m.target.graph
         self.plan: Plan | None = None
         if providers[0] != PROVIDER["cuda"] and gpu_memory is not None:
@@ -332,6 +332,11 @@ class Engine:
     def context_length(self) -> int:
         return self._context
 
+    @property
+    def closed(self) -> bool:
+        """close() was called: generations still running end cancelled, new ones raise."""
+        return self._closed
+
     def cancel(self) -> None:
         """Stop the running generation after its current pass (safe from any thread)."""
         self._active.set()
@@ -376,6 +381,11 @@ class Engine:
         ones choose per pass between a copy, head tokens and a plain step
         (HybridController)."""
         mode = self.default_mode if config.mode is None else config.mode
+        if mode == "spec" and not config.tree_budget and self.plan is not None:
+            # an offloaded pass costs about the same for one token or hundreds: verify
+            # the large best-first tree the planner sized, deep enough to use it (SpecExec)
+            config = replace(config, tree_budget=self.plan.tree_budget, tree_best_first=True,
+                             tree_depth=max(config.tree_depth, 16))
         chains = mode == "lookup" or (mode == "spec" and not config.tree_budget)
         head_chains = bool(self.head) and chains and mode == "spec"
         gamma = config.draft_tokens
@@ -536,11 +546,6 @@ class Engine:
         detok = self.tokenizer.detokenizer(skip_special_tokens=True)
         start = time.perf_counter()
         budget = min(config.max_new_tokens, self.context_length - len(ids))
-        if config.mode == "spec" and not config.tree_budget and self.plan is not None:
-            # an offloaded pass costs about the same for one token or hundreds: verify
-            # the large best-first tree the planner sized, deep enough to use it (SpecExec)
-            config = replace(config, tree_budget=self.plan.tree_budget, tree_best_first=True,
-                             tree_depth=max(config.tree_depth, 16))
         rows: list[np.ndarray] = []  # log-softmax of the target rows, per step
         on_logits = ((lambda r: rows.append(log_softmax(r)))
                      if config.logprobs is not None else None)

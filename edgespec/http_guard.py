@@ -96,9 +96,10 @@ class Guard:
                                     "host_not_allowed")
         path = scope["path"]
         if self.expected is not None and not (path in PUBLIC or path.startswith(PUBLIC_PREFIXES)):
-            scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
-            # the scheme's name is case-insensitive (RFC 9110 11.1), the key is not
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(given, self.expected):
+            # "Bearer KEY": the scheme's name in any case (RFC 9110 11.1), then blanks
+            scheme, given = (headers.get(b"authorization", b"").split(None, 1) + [b"", b""])[:2]
+            if scheme.lower() != b"bearer" or \
+                    not secrets.compare_digest(given.strip(), self.expected):
                 return await send_error(send, 401, "invalid or missing API key (use an "
                                         "'Authorization: Bearer KEY' header).",
                                         "authentication_error", "invalid_api_key")

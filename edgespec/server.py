@@ -59,6 +59,10 @@ class ApiError(Exception):
             status, message, kind, param, code)
 
 
+# a generation the engine's close() (serve's shutdown) cut short or never began
+SHUTTING_DOWN = "the server is shutting down, so this answer was cut short; send it again later."
+
+
 class _Gone(Exception):
     """The client left before its generation could start."""
 
@@ -179,7 +183,8 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model_id, "device": engine.devices,
                 "busy": turns.lock.locked(), "draft": engine.draft is not None,
-                "default_mode": default_mode, "auth": api_key is not None, **counts}
+                "default_mode": default_mode, "auth": api_key is not None,
+                "chat": bool(engine.tokenizer.chat_template), **counts}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -263,6 +268,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                         continue
                     if item is done:
                         return
+                    if engine.closed and (isinstance(item, EdgespecError) or (
+                            not isinstance(item, BaseException)
+                            and item.finish_reason == "cancelled")):
+                        raise ApiError(503, SHUTTING_DOWN, kind="server_error")
                     if isinstance(item, EdgespecError):
                         raise ApiError(400, str(item))
                     if isinstance(item, BaseException):

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from edgespec.errors import EdgespecError
 
+TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' own marker (continue_final_message)
 NO_TEMPLATE = "this model has no chat template (a base model, not a chat one)"
 
 
@@ -182,9 +183,8 @@ class Tokenizer:
         text where the last message's does, so an answer begun by the caller (an assistant
         message sent last, "prefill") is continued rather than closed, as vLLM's
         `continue_final_message` and transformers' own option do."""
-        text = self.apply_chat_template(messages, add_generation_prompt and not continue_final)
-        if continue_final:
-            text = text[:self._final_end(text, messages)]
+        text = (self._continued(messages) if continue_final
+                else self.apply_chat_template(messages, add_generation_prompt))
         encoding = self._encode(self._tok, text, False)
         spans = self._content_spans(text, messages)
         ids: list[int] = []
@@ -195,23 +195,25 @@ class Tokenizer:
                 ids.append(token)
         return ids
 
-    @staticmethod
-    def _final_end(text: str, messages: list[dict[str, Any]]) -> int:
-        """Where the last message's content ends in the rendered chat (templates that trim
-        a message lose its trailing blanks, as in transformers' continue_final_message)."""
+    def _continued(self, messages: list[dict[str, Any]]) -> str:
+        """The chat rendered up to the end of its last message, found as transformers finds
+        it: by a tag appended to that message (its own text may recur in the template's
+        markup, "end" in <|im_end|>); a template that trims the message trims the tag's
+        space, and then the message's trailing blanks go too."""
         last = messages[-1] if messages else {}
         content = last.get("content")
         if last.get("role") != "assistant" or not isinstance(content, str) \
                 or not content.strip():
             raise EdgespecError("to continue the final message, the last message must be "
                                 "the assistant's, with the text to continue.")
-        for piece in (content, content.rstrip()):
-            at = text.rfind(piece)
-            if at >= 0:
-                return at + len(piece)
-        raise EdgespecError("this chat template rewrites the final message, so it cannot be "
-                            "continued; send the whole conversation as a prompt to continue "
-                            "instead.")
+        text = self.apply_chat_template([*messages[:-1], {**last, "content": content + TAG}],
+                                        add_generation_prompt=False)
+        at = text.rfind(TAG.strip())
+        if at < 0:
+            raise EdgespecError("this chat template rewrites the final message, so it cannot "
+                                "be continued; send the whole conversation as a prompt to "
+                                "continue instead.")
+        return text[:at] if text[at:at + len(TAG)] == TAG else text[:at].rstrip()
 
     def _content_spans(self, text: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
         """Where each message's content lies in the rendered text, found in order; a

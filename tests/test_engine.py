@@ -271,6 +271,7 @@ def test_a_config_and_keywords_are_not_mixed_and_one_stop_string_is_one(engine):
         edgespec.load(threads=-1)
     with pytest.raises(EdgespecError, match="context must be a whole number"):
         edgespec.load(context="512")
+    assert edgespec.load(context=np.int64(300)).context_length == 300
 
 
 def test_a_paused_stream_makes_a_second_call_on_its_thread_an_error_not_a_hang(engine):

@@ -218,6 +218,31 @@ def test_plan_sizes_add_up_to_the_bundles_weights(demo_bundle):
     assert sizes.kv_per_token == 2 * 6 * 2 * 64 * 4  # K and V, 6 layers, 2 heads, fp32
 
 
+def test_a_tied_float_head_counts_the_table_it_copies_at_load(fp32_bundle):
+    """An fp32 export stores a tied table once; ONNX Runtime folds the head's transpose of
+    it into a copy, so a plan must count it in the head as well as in the embedding."""
+    m = read_manifest(fp32_bundle)
+    sizes = ModelSizes.of(fp32_bundle / m.target.graph, m.target)
+    table = m.target.vocab_size * m.target.hidden_size * 4
+    assert sizes.embed >= table and sizes.head >= table
+    data = (fp32_bundle / m.target.data_files[0]).stat().st_size
+    assert abs(sizes.total - table - data) < 64 * 1024  # on disk once
+
+
+def test_an_offload_plans_tree_is_what_settings_are_checked_against():
+    """Offloaded, spec mode verifies the planner's best-first tree (Engine.resolve): chain
+    settings then do nothing, and are refused as they are with a tree asked for."""
+    from types import SimpleNamespace
+
+    engine = edgespec.load()
+    engine.plan = SimpleNamespace(tree_budget=16)  # what _plan_offload sets on CUDA
+    with pytest.raises(EdgespecError, match="draft_tokens does nothing in mode spec with a "
+                                            "tree"):
+        engine.generate("def f(", mode="spec", draft_tokens=6)
+    tree = engine.generate("def f(", max_new_tokens=24, mode="spec")
+    assert tree.token_ids == engine.generate("def f(", max_new_tokens=24, mode="ar").token_ids
+
+
 def test_plan_command(demo_bundle, nested_bundle):
     # a budget the demo target does not fit (16.8 MiB of it would need to be resident)
     r = run("plan", str(demo_bundle), "--gpu-memory", "14MiB", "--context", "1024", "--json")

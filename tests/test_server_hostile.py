@@ -147,18 +147,27 @@ def test_stopping_the_server_ends_a_running_stream_instead_of_waiting_for_it():
     thread.start()
     while not srv.started:
         time.sleep(0.05)
-    events = []
+    events, queued = [], []
+    waiting = threading.Thread(target=lambda: queued.append(httpx.post(
+        f"http://127.0.0.1:{port}/v1/completions", json=LONG, timeout=60)))
     with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60,
                       json={**LONG, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 events.append(json.loads(line[6:]))
                 if len(events) == 1:
+                    waiting.start()  # behind the stream
+                    time.sleep(0.5)
                     srv.handle_exit(signal.SIGINT, None)  # as Ctrl-C does
+    waiting.join(timeout=15)
+    assert queued[0].status_code == 503 and "shutting down" in queued[0].text  # not a 400
     thread.join(timeout=15)
     assert not thread.is_alive()  # before: it served the stream to its end first
-    finish = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
-    assert len(finish) == 1 and finish[0]["edgespec"]["new_tokens"] < 200
+    # cut short, which the stream says instead of a finish_reason "stop"
+    assert not [e for e in events if e.get("choices") and e["choices"][0]["finish_reason"]]
+    assert "shutting down" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["type"] == "server_error"
+    assert sum(len(e["choices"][0]["text"]) for e in events if e.get("choices")) < 400
 
 
 # 4: the body limit counts bytes that arrive, also without a Content-Length

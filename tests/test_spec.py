@@ -206,6 +206,35 @@ def test_chain_respects_context_limit():
     assert len(out) == 9  # 3 prompt + 9 = 12 positions, never more (forward asserts)
 
 
+@pytest.mark.parametrize("kind", ["chain", "tree", "exact tree"])
+@pytest.mark.parametrize("limit", [1, 2, 5, 9])
+def test_no_pass_verifies_drafts_past_the_tokens_wanted(kind, limit):
+    """With `limit` tokens wanted, the target's cache never holds more than the prompt and
+    limit - 1 of them (the last is never fed), though the draft (the target's own table
+    here) would have every draft accepted, and exactly `limit` tokens come out."""
+    table, _ = tables(13)
+    target = {"chain": MarkovModel, "tree": lambda t: TreeRowsDiffer(t, t),
+              "exact tree": ExactTrees}[kind](table)
+    high = []
+    forward = target.forward
+
+    def watched(*args, **kwargs):
+        rows = forward(*args, **kwargs)
+        high.append(target.cache.length)
+        return rows
+
+    target.forward = watched
+    prompt, rng, stats = [1, 2], np.random.default_rng(0), GenerationStats("spec")
+    if kind == "chain":
+        steps = chain_decode(target, ModelDrafter(MarkovModel(table)), prompt,
+                             SamplingParams(0.0), 6, rng, stats, limit=limit)
+    else:
+        steps = tree_decode(target, TreeDrafter(MarkovModel(table), top_k=2, depth=4),
+                            prompt, SamplingParams(0.0), 8, rng, stats, limit=limit)
+    assert len(take(steps, limit)) == limit
+    assert max(high) <= len(prompt) + limit - 1
+
+
 def test_warp_top_k_and_top_p():
     logits = np.log(np.array([0.5, 0.25, 0.15, 0.1]))
     np.testing.assert_allclose(warp(logits, SamplingParams(1.0, top_k=2)),

@@ -147,7 +147,8 @@ def test_chat_template_matches_transformers(demo_target, demo_tok, messages,
     assert demo_tok.encode_chat(messages, add_generation_prompt) == list(want_ids)
 
 
-@pytest.mark.parametrize("answer", ["def add(a, b):", "The sum is  ", "héllo 🐍"])
+@pytest.mark.parametrize("answer", ["def add(a, b):", "The sum is  ", "héllo 🐍", "end",
+                                    ">", "im"])  # the last three recur in <|im_end|>
 def test_a_final_assistant_message_is_continued_as_transformers_does(demo_target, demo_tok,
                                                                      answer):
     from transformers import AutoTokenizer

@@ -85,11 +85,12 @@ def for_export() -> bool:
     """Whether cpu-profile exports put their linears on these kernels: where built and
     vectorized (the portable path is exact but slower than ONNX Runtime's kernels), unless
     EDGESPEC_KERNELS=onnxruntime asks otherwise."""
-    return vectorized() and asked() == "edgespec"
+    return asked() == "edgespec" and vectorized()
 
 
 def describe() -> str:
     """What `edgespec doctor` says about the kernels: which path runs them, or why none."""
+    asked()  # a value it does not know is refused here too
     if library() is None:
         return "not built (installed without a C compiler): exports use ONNX Runtime's"
     if vectorized() and asked() == "onnxruntime":

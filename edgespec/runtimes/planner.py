@@ -103,9 +103,13 @@ class ModelSizes:
         graph = onnx.load(str(path), load_external_data=False).graph
         layers = [0] * entry.num_layers
         embed = head = shared = 0
+        # a tied float head reads the embedding table through a transpose that ONNX
+        # Runtime folds into a copy of its own (export.graph): the head holds one too
+        tied = {n.input[0] for n in graph.node if n.name == "lm_head.tied"}
         for t in _initializers(graph):
             n = tensor_bytes(t)
             m = re.match(r"layers\.(\d+)\.", t.name)
+            head += n if t.name in tied else 0
             if m:
                 layers[int(m.group(1))] += n
             elif t.name.startswith("embed."):

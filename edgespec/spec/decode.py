@@ -133,9 +133,9 @@ def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: Sam
     tokens = [*ids, prefill(target, ids, params, rng, stats, on_logits)]
     yield tokens[-1:]
     while True:
+        room = _room(target, ids, tokens, limit)
         t0 = time.perf_counter()
-        tree = drafter.propose_tree(tokens, min(budget, _room(target, ids, tokens, limit)),
-                                    params, stats)
+        tree = drafter.propose_tree(tokens, min(budget, room), params, stats)
         t1 = time.perf_counter()
         past = target.cache.length
         logits = target.forward(*tree.verify_inputs(tokens[-1], past))
@@ -149,8 +149,8 @@ def tree_decode(target: Model, drafter: TreeDrafter, ids: list[int], params: Sam
             n, rows = len(path), logits[drawn_by]
         else:
             target.cache.trim(target.cache.length - past)
-            if past + len(proposals) + 1 > target.max_len:  # the chain pass must fit
-                proposals, drawn_by = proposals[:-1], drawn_by[:-1]
+            # the chain pass verifies the token after the path too: within the room
+            proposals, drawn_by = proposals[:room], drawn_by[:room]
             q = None if params.greedy else warp(logits[drawn_by], params)
             rows = target.forward([tokens[-1], *proposals])
             stats.target_passes += 1

@@ -5,7 +5,7 @@
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "edgespec-api-key"; // this tab only: sessionStorage, not localStorage
-const state = { model: null, history: [], controller: null };
+const state = { model: null, history: [], controller: null, chat: true };
 
 function setBusy(busy) {
   document.body.dataset.state = busy ? "streaming" : "idle";
@@ -162,10 +162,29 @@ async function connect() {
     spec.disabled = !health.draft;
     $("mode").value = health.default_mode;
     $("key-label").hidden = !health.auth;
-    if (health.auth && !$("api-key").value) showError("This server needs its API key: enter it above.");
+    state.chat = health.chat;
+    if (!health.chat) {
+      showError("This model has no chat template, so this page cannot chat with it: send it " +
+        "text to continue through /v1/completions, or serve a chat model.");
+    } else if (health.auth && !$("api-key").value) {
+      showError("This server needs its API key: enter it above.");
+    }
   } catch (e) {
     showError(`cannot reach the server (${e.message})`);
   }
+}
+
+// what is wrong with the settings fields, in one sentence, or ""
+function settingsProblem() {
+  if (!state.chat) return $("error").textContent;
+  const temperature = $("temperature").value, tokens = $("max-tokens").value;
+  if (temperature === "" || !(Number(temperature) >= 0 && Number(temperature) <= 2)) {
+    return "Temperature must be a number from 0 (greedy) to 2.";
+  }
+  if (tokens === "" || !Number.isInteger(Number(tokens)) || Number(tokens) < 1) {
+    return "Max tokens must be a whole number of at least 1.";
+  }
+  return "";
 }
 
 function init() {
@@ -176,13 +195,16 @@ function init() {
   });
   $("ask").addEventListener("submit", (event) => {
     event.preventDefault();
-    const text = $("prompt").value.trim();
-    if (!text || state.controller) return;
+    const text = $("prompt").value; // as typed: pasted code keeps its indentation
+    if (!text.trim() || state.controller) return;
+    const problem = settingsProblem();
+    if (problem) return showError(problem);
     $("prompt").value = "";
     ask(text);
   });
   $("prompt").addEventListener("keydown", (event) => {
-    if (event.key === "Enter" && !event.shiftKey) {
+    // Enter that confirms an input method's composition (Japanese, Chinese...) is not a send
+    if (event.key === "Enter" && !event.shiftKey && !event.isComposing && event.keyCode !== 229) {
       event.preventDefault();
       $("ask").requestSubmit();
     }
