@@ -451,21 +451,29 @@ def generate(prompt: str | None, model: str | None, max_new_tokens: int, tempera
 
 
 def _read_line(prompt: str) -> str | None:
-    """One line typed after `prompt`, or None at the end of input.
+    """One line typed after `prompt` (or piped), or None at the end of input.
 
-    Ctrl-D on a line that has text hands that text over without a newline: that means
-    leave too, never "send what is typed so far". A terminal hands over one line per read
-    (or what Ctrl-D flushed), so the line is read from the descriptor to tell them apart.
-    Undecodable bytes stay surrogates, which the tokenizer refuses in one sentence.
+    A terminal is read through readline: line editing and history, and no 4095-byte cut
+    (the terminal's own line buffer silently drops the rest of a longer line, a pasted
+    document's end); Ctrl-D on an empty line leaves. Piped input's last line counts
+    without its newline. A line that is not UTF-8 is skipped with a sentence.
     """
-    click.echo(prompt, nl=False)
-    sys.stdout.flush()
-    if sys.stdin.isatty():
-        data = os.read(sys.stdin.fileno(), 1 << 16)
-    else:
+    try:
+        if sys.stdin.isatty() and sys.stdout.isatty():
+            import readline  # noqa: F401  (input() then edits the line with it)
+
+            try:
+                return input(prompt)
+            except EOFError:
+                return None
+        click.echo(prompt, nl=False)
+        sys.stdout.flush()
         data = sys.stdin.buffer.readline()
-    text = data.decode("utf-8", errors="surrogateescape")
-    return text[:-1] if text.endswith("\n") else None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        err.print(f"that line is not UTF-8 text (byte {e.start + 1}), so it was skipped.")
+        return ""
+    return text.removesuffix("\n") if text else None
 
 
 CHAT_HELP = ("commands: /help, /reset (new conversation), /stats (last answer's numbers), "
@@ -520,6 +528,7 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
         if command == "/reset":
             history.clear()
             engine.reset()
+            last = None
             err.print("[dim]new conversation.[/dim]")
             continue
         if command == "/stats":
@@ -531,7 +540,8 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
             continue
         if command == "/mode":
             if arg not in MODES or (arg == "spec" and engine.draft is None):
-                err.print(f"modes: {', '.join(MODES)} (spec needs a draft).")
+                err.print(f"modes: {', '.join(MODES)} (spec needs a draft); now "
+                          f"{settings['mode']}.")
             else:
                 settings["mode"] = arg
                 err.print(f"[dim]mode {arg}.[/dim]")
@@ -559,7 +569,11 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
         reply, record = [], None
         previous = signal.signal(signal.SIGINT, lambda *_: engine.cancel())
         try:
-            for record in engine.records(engine.tokenizer.encode_chat(history), config):
+            ids = engine.tokenizer.encode_chat(history)
+            if len(ids) >= engine.context_length and len(history) > 1:
+                raise EdgespecError(f"the conversation ({len(ids)} tokens) no longer fits the "
+                                    f"model's context of {engine.context_length}")
+            for record in engine.records(ids, config):
                 reply.append(record.text)
                 click.echo(record.text, nl=False)
                 sys.stdout.flush()
@@ -575,6 +589,12 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
             last = record.stats.to_dict()
             if settings["statsline"]:
                 err.print(f"[dim]{_stats_line(last)}[/dim]")
+            if record.finish_reason == "cancelled":
+                err.print("[dim](stopped)[/dim]")
+            elif record.finish_reason == "length" and \
+                    last["prompt_tokens"] + last["new_tokens"] >= engine.context_length:
+                err.print("[dim](the answer reached the end of the model's context; /reset "
+                          "starts over)[/dim]")
 
 
 @cli.command()

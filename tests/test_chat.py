@@ -87,3 +87,32 @@ def test_chat_commands_say_what_they_did_and_refuse_bad_values(chat):
     chat.expect(pexpect.EOF)
     chat.close()
     assert chat.exitstatus == 0
+
+
+def test_a_line_longer_than_the_terminals_buffer_arrives_whole(chat):
+    """A terminal in its own line mode keeps 4095 bytes of a line and drops the rest
+    silently; read through readline, a pasted line of 6,000 arrives whole."""
+    import edgespec
+
+    line = "#" * 5990 + " END"
+    want = len(edgespec.load().tokenizer.encode_chat([{"role": "user", "content": line}]))
+    chat.sendline(line)
+    chat.expect(r"tok/s", timeout=120)
+    chat.expect_exact(PROMPT)
+    chat.sendline("/stats")
+    chat.expect_exact(PROMPT)
+    stats = json.loads(chat.before[chat.before.index("{"):chat.before.rindex("}") + 1])
+    assert stats["prompt_tokens"] == want
+
+
+@pytest.mark.parametrize("piped,expected", [
+    (b"def f(): no newline at the end", "tok/s"),  # the last line is sent all the same
+    (b"bad \xff bytes\n", "not UTF-8 text (byte 5), so it was skipped"),
+])
+def test_piped_lines(piped, expected):
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "edgespec.cli", "chat", "--mode", "ar",
+                          "--max-new-tokens", "8"], input=piped, capture_output=True,
+                         timeout=120)
+    assert out.returncode == 0 and expected in out.stderr.decode(), out.stderr
