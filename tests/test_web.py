@@ -176,8 +176,7 @@ def test_a_conversation_longer_than_the_context_is_told_to_start_over(browser, s
     ask(browser, long)
     wait(browser, lambda: "Shorten your message" in by_id(browser, "error").text)
     assert "context holds 512" in by_id(browser, "error").text
-    assert answers(browser) == [] and by_id(browser, "prompt").get_attribute("value") == \
-        long.strip()
+    assert answers(browser) == [] and by_id(browser, "prompt").get_attribute("value") == long
     by_id(browser, "prompt").clear()
     ask(browser, "x = 1; " * 100)  # ~410 tokens and its answer of 8: it fits
     wait(browser, lambda: answers(browser) and "[ar, cpu]" in
@@ -185,6 +184,50 @@ def test_a_conversation_longer_than_the_context_is_told_to_start_over(browser, s
     ask(browser, "x = 1; " * 30)  # not beside the first
     wait(browser, lambda: "start a new chat" in by_id(browser, "error").text)
     assert len(answers(browser)) == 1
+
+
+def test_text_goes_as_typed_an_input_method_enter_is_no_send_and_fields_are_checked(
+        browser, server):
+    browser.get(server + "/")
+    wait(browser, lambda: "edgespec-demo on cpu" in by_id(browser, "model").text)
+    if not by_id(browser, "api-key").get_attribute("value"):
+        by_id(browser, "api-key").send_keys(KEY)
+    by_id(browser, "prompt").click()
+    settings(browser, "ar", 0, 4)
+    enter = ("const p = document.getElementById('prompt'); p.value = arguments[0];"
+             "p.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', bubbles: true,"
+             "cancelable: true, isComposing: arguments[1]}));")
+    browser.execute_script(enter, "にほんご", True)  # Enter confirms the composition
+    assert messages(browser) == [] and by_id(browser, "prompt").get_attribute(
+        "value") == "にほんご"
+    code = "    def f():\n        return 1\n"
+    browser.execute_script(enter, code, False)
+    wait(browser, lambda: answers(browser) and "[ar, cpu]" in
+         answers(browser)[-1].find_element("css selector", ".stats").text)
+    sent = browser.execute_script("return document.querySelector('.message.user .text')"
+                                  ".textContent")
+    assert sent == code  # its indentation kept, as the terminal chat keeps it
+    by_id(browser, "temperature").clear()  # an empty field is not a temperature of 0
+    browser.execute_script(enter, "and now?", False)
+    wait(browser, lambda: "Temperature must be a number" in by_id(browser, "error").text)
+    assert len(answers(browser)) == 1
+
+
+def test_a_model_without_a_chat_template_is_said_at_once(browser, tmp_path, demo_target):
+    import json
+
+    from edgespec.export import export
+
+    plain = shutil.copytree(demo_target, tmp_path / "plain")
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    export(plain, tmp_path / "b", precision="fp32")
+    with running(create_app(edgespec.load(tmp_path / "b"), MODEL)) as url:
+        browser.get(url + "/")
+        wait(browser, lambda: "no chat template" in by_id(browser, "error").text)
+        ask(browser, QUESTION)
+        assert messages(browser) == []
 
 
 def test_page_assets_ship_in_the_package():
