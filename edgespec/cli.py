@@ -248,7 +248,7 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
               help="A text file, or a directory of them, that the target reads too: "
                    "its states along any text are training data, several times cheaper "
                    "per token than answers (repeatable).")
-@click.option("--text-tokens", default=150_000, show_default=True, type=click.IntRange(1),
+@click.option("--text-tokens", default=150_000, show_default=True, type=click.IntRange(16),
               help="Tokens of --text to read, in windows drawn at random.")
 @click.option("--synthesize", default=0, show_default=True, type=click.IntRange(0),
               help="Conversations the target writes itself, request and answer (a chat "

@@ -112,8 +112,15 @@ def measure(bundle: Path, reference: Path, text: Path | None = None, ctx: int = 
     if not text.is_file():
         raise EdgespecError(f"the text {text} is not a file; pass --text FILE.")
     tokenizer = Tokenizer.from_dir(bundle)
-    pieces = chunks_of(tokenizer.encode(text.read_text(encoding="utf-8", errors="replace")),
-                       ctx, chunks)
+    try:
+        words = text.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EdgespecError(f"{text} is not UTF-8 text (byte {e.start}); pass a text file "
+                            "with --text.") from None
+    pieces = chunks_of(tokenizer.encode(words), ctx, chunks)
+    if len(pieces) < chunks and console is not None:
+        console.print(f"note: the text holds {len(pieces)} chunks of {ctx} tokens, fewer "
+                      f"than the {chunks} asked; scoring those.", highlight=False)
     if (reference / MANIFEST).is_file():
         return compare(model, _target(reference), pieces)
     if not reference.exists():

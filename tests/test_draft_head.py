@@ -602,7 +602,8 @@ def test_train_draft_answers_task_requests_and_learns_their_tails(tmp_path, demo
         assert ids[:len(prompt)].tolist() == prompt and len(ids) > 40
     assert head.card["tasks"] == 3  # the prompt's answer whole, the tasks' last 40 tokens
     assert head.card["tokens"] == len(tokens[0]) + 3 * 40
-    with pytest.raises(EdgespecError, match="holds the answers to other prompts"):
+    with pytest.raises(EdgespecError, match=r"made for another target, data or options "
+                                            r"\(prompts, tasks\)"):
         train_draft(source, tmp_path / "h2.npz", tmp_path / "work", ["def parse(text):"],
                     TrainOptions(**{**vars(opts), "tasks": 2}))
 
@@ -778,9 +779,80 @@ def test_interrupted_training_resumes_from_its_checkpoint_to_the_same_head(
 
     from edgespec.errors import EdgespecError
 
-    with pytest.raises(EdgespecError, match=r"trained with other options \(steps, lr\)"):
+    with pytest.raises(EdgespecError, match=r"made for another target, data or options "
+                                            r"\(steps, lr\)"):
         trainer.train_draft(source, tmp_path / "c.npz", tmp_path / "b", ["def f(x):"],
                             replace(opts, steps=6, lr=2e-3))
+
+
+def test_a_work_directory_serves_only_the_run_it_was_made_for(tiny, tmp_path, monkeypatch):
+    """What --work keeps (answers, text states, the checkpoint) depends on the target, the
+    data and the options: another model or text is refused by name before anything kept is
+    reused (a second model trained to the same --out once got the first one's head)."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edgespec.errors import EdgespecError
+    from edgespec.export.source import open_source
+    from edgespec.train import trainer
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    path, model = tiny
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(model.config).save_pretrained(tmp_path / "other")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(path / f, tmp_path / "other" / f)
+    # 20 steps: the learning-rate schedule once divided by zero there
+    opts = trainer.TrainOptions(steps=20, kept=256, max_new_tokens=8, reader="float",
+                                sampled=False)
+    text = ["for i in range(3):\n    print(i)\n" * 40]
+    work = tmp_path / "w"
+    trainer.train_draft(open_source(path, tmp_path / "s"), tmp_path / "a.npz", work,
+                        ["def f(x):"], opts, texts=text)
+    for target, texts, differs in ((tmp_path / "other", text, "target"),
+                                   (path, ["while True:\n    pass\n" * 40], "text")):
+        with pytest.raises(EdgespecError, match=rf"made for another target, data or options "
+                                                rf"\({differs}\)"):
+            trainer.train_draft(open_source(target, tmp_path / "s2"), tmp_path / "b.npz",
+                                work, ["def f(x):"], opts, texts=texts)
+    (tmp_path / "plain").write_text("mine")
+    with pytest.raises(EdgespecError, match="not a train-draft work directory"):
+        trainer.train_draft(open_source(path, tmp_path / "s3"), tmp_path / "c.npz",
+                            tmp_path / "plain", ["def f(x):"], opts)
+    assert (tmp_path / "plain").read_text() == "mine" and not (tmp_path / "b.npz").exists()
+
+
+def test_answers_are_kept_a_block_at_a_time(tiny, tmp_path, monkeypatch):
+    """An interrupted run loses the block of answers being made, not those before it."""
+    from rich.console import Console
+
+    from edgespec.export.source import open_source
+    from edgespec.train import trainer
+
+    opts = trainer.TrainOptions(max_new_tokens=8, sampled=False)
+    target = trainer.FloatTarget(open_source(tiny[0], tmp_path / "s"), "cpu", 1)
+    prompts, quiet = ["def f(x):", "import os", "class A:"], Console(quiet=True)
+    (tmp_path / "whole").mkdir()
+    whole = trainer.conversations(target, prompts, opts, tmp_path / "whole", quiet)
+    answer, calls = target.answer, []
+
+    def killed_at_the_second(block, *args, **kwargs):
+        calls.append(block)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return answer(block, *args, **kwargs)
+
+    monkeypatch.setattr(target, "answer", killed_at_the_second)
+    (tmp_path / "w").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        trainer.conversations(target, prompts, opts, tmp_path / "w", quiet)
+    resumed = trainer.conversations(target, prompts, opts, tmp_path / "w", quiet)
+    assert [c.tokens.tolist() for c in resumed] == [c.tokens.tolist() for c in whole]
+    assert calls == [prompts[:1], prompts[1:2], prompts[1:2], prompts[2:]]
+    assert not (tmp_path / "w" / "conversations.part.npz").exists()
+
 
 def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_path):
     from tests.test_cli import run

@@ -121,8 +121,9 @@ def load_head(path: Path | str) -> DraftHead:
                 kept=z["kept"], fingerprint=z["fingerprint"],
                 card=json.loads(str(z["card"])))
     except (OSError, ValueError, KeyError) as e:
-        raise EdgespecError(f"cannot read the draft head {path} ({e}); pass a file written "
-                            "by `edgespec train-draft`.") from None
+        why = "not a numpy archive" if "pickle" in str(e) else str(e)  # not numpy's hint
+        raise EdgespecError(f"cannot read the draft head {path} ({why}); pass a file "
+                            "written by `edgespec train-draft`.") from None
 
 
 def is_head_file(path: str | Path) -> bool:

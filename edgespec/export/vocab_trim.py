@@ -60,6 +60,8 @@ def check_trim_source(source: str) -> None:
         return
     if not source.startswith("corpus:"):
         raise EdgespecError(f"trim source '{source}' is neither 'target' nor 'corpus:PATH'.")
+    if not source.removeprefix("corpus:"):
+        raise EdgespecError("--trim-source corpus: names no path; write corpus:PATH.")
     if not Path(source.removeprefix("corpus:")).exists():
         raise EdgespecError(f"the trim corpus {source.removeprefix('corpus:')} does not exist.")
 
@@ -199,7 +201,9 @@ def retrim_bundle(bundle: Path, k: int, source: str = "target",
                             "to draft among fewer.")
     current = (np.load(bundle / m.vocab_map) if m.vocab_map
                else np.arange(m.draft.vocab_size))
-    if k >= len(current):
+    if k == len(current):
+        raise EdgespecError(f"the draft's LM head already keeps {k} tokens; nothing to trim.")
+    if k > len(current):
         raise EdgespecError(f"the draft's LM head already keeps {len(current)} tokens; "
                             f"re-export from the checkpoint to keep {k}.")
     check_trim_source(source)

@@ -24,6 +24,7 @@ for the price of this run's steps alone.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -75,6 +76,40 @@ class TrainOptions:
     reader: str = "exported"  # whose states: "exported" (the bundle's target) or "float"
 
 
+def _digest(value: object) -> str:
+    return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def claim_work(work: Path, identity: dict[str, object]) -> None:
+    """Make `work` this run's, or check that it is: everything kept there (answers, text
+    states, self-written conversations, the checkpoint) depends on the target, the data
+    and the options, so a folder made for others is refused, naming what differs,
+    before any of it is reused (a second model trained to the same --out name once got
+    the first's head, and a changed --text went unread)."""
+    record = work / "work.json"
+    if record.is_file():
+        try:
+            made = json.loads(record.read_text())
+        except (OSError, ValueError):
+            made = None
+        if not isinstance(made, dict):
+            raise EdgespecError(f"{record} is damaged; delete {work} or pass another --work "
+                                "directory.")
+        differ = [k for k in {**made, **identity} if made.get(k) != identity.get(k)]
+        if differ:
+            raise EdgespecError(f"{work} was made for another target, data or options "
+                                f"({', '.join(differ)}); pass the same ones, or another "
+                                "--work directory to start afresh.")
+        return
+    if work.exists() and (not work.is_dir() or any(work.iterdir())):
+        raise EdgespecError(f"{work} is {'a file' if not work.is_dir() else 'not empty'} and "
+                            "not a train-draft work directory; pass another --work.")
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = record.with_suffix(".part")
+    tmp.write_text(json.dumps(identity, indent=1))
+    tmp.replace(record)
+
+
 def _progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn(
         "{task.completed}/{task.total}"), TimeElapsedColumn(), TimeRemainingColumn(),
@@ -83,9 +118,13 @@ def _progress(console: Console) -> Progress:
 
 def _load_joined(path: Path, *keys: str) -> list[list[np.ndarray]]:
     """Per key, the sequences _save_joined wrote end to end into `path`."""
-    with np.load(path) as z:
-        cuts = np.cumsum(z["lengths"])[:-1]
-        return [np.split(z[key], cuts) for key in keys]
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            cuts = np.cumsum(z["lengths"])[:-1]
+            return [np.split(z[key], cuts) for key in keys]
+    except (OSError, ValueError, KeyError, EOFError) as e:
+        raise EdgespecError(f"{path} is damaged ({type(e).__name__}); delete it to make it "
+                            "again.") from None
 
 
 def _save_joined(path: Path, **parts: list[np.ndarray]) -> None:
@@ -185,19 +224,33 @@ Target = ExportedTarget | FloatTarget
 
 def conversations(target: Target, prompts: list[str], opts: TrainOptions, work: Path,
                   console: Console) -> list[data.Conversation]:
-    """The target's answers and states, cached in `work` (conversations.npz)."""
+    """The target's answers and states, cached in `work` (conversations.npz). They are
+    answered a block of prompts at a time (a GPU's batch, else 16), each block kept as it
+    comes (conversations.part.npz), so an interrupted run loses one block at most."""
+    part = work / "conversations.part.npz"
+    block = getattr(target, "batch", 16)
+
     def answer() -> list[data.Conversation]:
         convs = []
+        if part.is_file():
+            tokens, states = _load_joined(part, "tokens", "states")
+            convs = [data.Conversation(t, s) for t, s in zip(tokens, states, strict=True)]
         with _progress(console) as progress:
             for i, temperature in enumerate([0.0, 0.7] if opts.sampled else [0.0]):
+                done = min(max(0, len(convs) - i * len(prompts)), len(prompts))
                 task = progress.add_task(f"target answers (T={temperature})",
-                                         total=len(prompts))
-                convs += target.answer(prompts, opts.max_new_tokens, temperature,
-                                       opts.seed + i,
-                                       lambda n, t=task: progress.advance(t, n))
+                                         total=len(prompts), completed=done)
+                for start in range(done, len(prompts), block):
+                    convs += target.answer(prompts[start:start + block], opts.max_new_tokens,
+                                           temperature, opts.seed + i + 1000 * start,
+                                           lambda n, t=task: progress.advance(t, n))
+                    _save_joined(part, tokens=[c.tokens for c in convs],
+                                 states=[c.states for c in convs])
         return convs
 
-    return _cached(work / "conversations.npz", "conversations", console, answer)
+    convs = _cached(work / "conversations.npz", "conversations", console, answer)
+    part.unlink(missing_ok=True)
+    return convs
 
 
 def tails(convs: list[data.Conversation], prompts: int, tasks: int, keep: int
@@ -215,8 +268,12 @@ def read_text(target: Target, texts: list[str], opts: TrainOptions, work: Path,
     def read() -> list[data.Conversation]:
         with _progress(console) as progress:
             task = progress.add_task("target reads the text", total=opts.text_tokens)
-            return target.read_windows(texts, opts.seq_len + 1, opts.text_tokens, opts.seed,
+            read = target.read_windows(texts, opts.seq_len + 1, opts.text_tokens, opts.seed,
                                        lambda n: progress.advance(task, n))
+        if not read:
+            raise EdgespecError("the --text files hold too little text for a window to "
+                                "read (3 tokens at least); give more text or leave --text out.")
+        return read
 
     return _cached(work / "text.npz", "text windows", console, read)
 
@@ -364,19 +421,17 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     start = load_head(opts.init) if opts.init else None
     if start is not None:  # before any work: a head for another model is refused
         check_fits(start, spec, embeddings, Path(opts.init))
-    work.mkdir(parents=True, exist_ok=True)
     prompts = prompts or data.builtin_prompts()
     asked = task_requests(opts.seed, opts.tasks, texts or (), opts.task_chars) \
         if opts.tasks else []
+    claim_work(work, {"target": _digest(fingerprint(embeddings).round(3).tolist()),
+                      "prompts": _digest(prompts + asked), "text": _digest(texts or []),
+                      **asdict(opts)})
     target = (FloatTarget(source, opts.device, opts.gen_batch) if opts.reader == "float"
               else ExportedTarget(source, console))
     if opts.synthesize:
         data.check_chat(target.tokenizer)
     convs = conversations(target, prompts + asked, opts, work, console)
-    if len(convs) != (len(prompts) + len(asked)) * (1 + opts.sampled):
-        raise EdgespecError(f"{work} holds the answers to other prompts ({len(convs)} "
-                            "conversations); pass the same prompts and --tasks as before, or "
-                            "another --work directory to start afresh.")
     convs = tails(convs, len(prompts), len(asked), opts.task_tail)
     read = read_text(target, texts, opts, work, console) if texts else []
     written = synthesized(source, target, opts, work, console) if opts.synthesize else []
@@ -393,18 +448,18 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
                          torch.from_numpy(as_float(adapter.lm_head())[kept]), spec.embed_scale,
                          start).to(opts.device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=0.0)
+    # warm up over 5% of the steps, at least 2 (OneCycleLR divides by pct_start·steps - 1)
+    warmup = 0.3 if opts.steps <= 3 else max(0.05, 2 / opts.steps)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, opts.lr, total_steps=opts.steps,
-                                                   pct_start=0.05)
+                                                   pct_start=warmup)
     step, history = 0, []
     checkpoint = work / "head.pt"
     if resume and checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=False, map_location=opts.device)
-        now = asdict(opts)
-        differ = [k for k in {**saved["opts"], **now} if saved["opts"].get(k) != now.get(k)]
-        if differ:
-            raise EdgespecError(f"{checkpoint} was trained with other options ("
-                                f"{', '.join(differ)}); pass the same ones, or another --work "
-                                "directory to start afresh.")
+        try:
+            saved = torch.load(checkpoint, weights_only=False, map_location=opts.device)
+        except (OSError, RuntimeError, EOFError) as e:
+            raise EdgespecError(f"{checkpoint} cannot be read ({str(e).splitlines()[0]}); "
+                                "delete it to train from the start.") from None
         head.load_state_dict(saved["head"])
         optimizer.load_state_dict(saved["optimizer"])
         schedule.load_state_dict(saved["schedule"])
