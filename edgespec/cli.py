@@ -453,25 +453,33 @@ def generate(prompt: str | None, model: str | None, max_new_tokens: int, tempera
 def _read_line(prompt: str) -> str | None:
     """One line typed after `prompt` (or piped), or None at the end of input.
 
-    A terminal is read through readline: line editing and history, and no 4095-byte cut
-    (the terminal's own line buffer silently drops the rest of a longer line, a pasted
-    document's end); Ctrl-D on an empty line leaves. Piped input's last line counts
-    without its newline. A line that is not UTF-8 is skipped with a sentence.
+    A terminal is read through readline where Python has it (not on Windows) and both
+    ends are terminals: line editing and history, and no 4095-byte cut (the terminal's own
+    line mode silently drops the rest of a longer line, a pasted document's end); Ctrl-D
+    on an empty line leaves. Otherwise a terminal hands over one line per read, or what
+    Ctrl-D flushed: text without its newline, which means leave too, never "send what is
+    typed so far". Piped input's last line counts without its newline. A line that is not
+    UTF-8 is skipped with a sentence.
     """
+    terminal = sys.stdin.isatty()
     try:
-        if sys.stdin.isatty() and sys.stdout.isatty():
-            import readline  # noqa: F401  (input() then edits the line with it)
-
+        if terminal and sys.stdout.isatty():
+            try:
+                import readline  # noqa: F401  (input() then edits the line with it)
+            except ImportError:
+                pass
             try:
                 return input(prompt)
             except EOFError:
                 return None
         click.echo(prompt, nl=False)
         sys.stdout.flush()
-        data = sys.stdin.buffer.readline()
-        text = data.decode("utf-8")
+        if terminal:
+            data = os.read(sys.stdin.fileno(), 1 << 16)
+            return data.decode("utf-8")[:-1] if data.endswith(b"\n") else None
+        text = sys.stdin.buffer.readline().decode("utf-8")
     except UnicodeDecodeError as e:
-        err.print(f"that line is not UTF-8 text (byte {e.start + 1}), so it was skipped.")
+        err.print(f"that line is not UTF-8 text (byte {e.start}), so it was skipped.")
         return ""
     return text.removesuffix("\n") if text else None
 

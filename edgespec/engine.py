@@ -381,7 +381,8 @@ class Engine:
         ones choose per pass between a copy, head tokens and a plain step
         (HybridController)."""
         mode = self.default_mode if config.mode is None else config.mode
-        if mode == "spec" and not config.tree_budget and self.plan is not None:
+        if mode == "spec" and not config.tree_budget and self.plan is not None \
+                and self.plan.tree_budget:
             # an offloaded pass costs about the same for one token or hundreds: verify
             # the large best-first tree the planner sized, deep enough to use it (SpecExec)
             config = replace(config, tree_budget=self.plan.tree_budget, tree_best_first=True,

@@ -17,6 +17,7 @@ whether it repeats that prompt entirely.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import json
 import logging
@@ -268,9 +269,11 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                         continue
                     if item is done:
                         return
-                    if engine.closed and (isinstance(item, EdgespecError) or (
-                            not isinstance(item, BaseException)
-                            and item.finish_reason == "cancelled")):
+                    cut = not isinstance(item, BaseException) and \
+                        item.finish_reason == "cancelled" and engine.closed
+                    if cut:  # its text still goes out, then the stream is said to be cut
+                        yield dataclasses.replace(item, finish_reason=None)
+                    if cut or engine.closed and isinstance(item, EdgespecError):
                         raise ApiError(503, SHUTTING_DOWN, kind="server_error")
                     if isinstance(item, EdgespecError):
                         raise ApiError(400, str(item))

@@ -107,7 +107,7 @@ def test_a_line_longer_than_the_terminals_buffer_arrives_whole(chat):
 
 @pytest.mark.parametrize("piped,expected", [
     (b"def f(): no newline at the end", "tok/s"),  # the last line is sent all the same
-    (b"bad \xff bytes\n", "not UTF-8 text (byte 5), so it was skipped"),
+    (b"bad \xff bytes\n", "not UTF-8 text (byte 4), so it was skipped"),
 ])
 def test_piped_lines(piped, expected):
     import subprocess

@@ -602,8 +602,8 @@ def test_train_draft_answers_task_requests_and_learns_their_tails(tmp_path, demo
         assert ids[:len(prompt)].tolist() == prompt and len(ids) > 40
     assert head.card["tasks"] == 3  # the prompt's answer whole, the tasks' last 40 tokens
     assert head.card["tokens"] == len(tokens[0]) + 3 * 40
-    with pytest.raises(EdgespecError, match=r"made for another target, data or options "
-                                            r"\(prompts, tasks\)"):
+    with pytest.raises(EdgespecError, match=r"keeps answers made for another target, data "
+                                            r"or options \(prompts\)"):
         train_draft(source, tmp_path / "h2.npz", tmp_path / "work", ["def parse(text):"],
                     TrainOptions(**{**vars(opts), "tasks": 2}))
 
@@ -790,8 +790,10 @@ def test_a_work_directory_serves_only_the_run_it_was_made_for(tiny, tmp_path, mo
     data and the options: another model or text is refused by name before anything kept is
     reused (a second model trained to the same --out once got the first one's head)."""
     import shutil
+    from dataclasses import replace
 
     import torch
+    from rich.console import Console
     from transformers import AutoModelForCausalLM
 
     from edgespec.errors import EdgespecError
@@ -817,11 +819,27 @@ def test_a_work_directory_serves_only_the_run_it_was_made_for(tiny, tmp_path, mo
                                                 rf"\({differs}\)"):
             trainer.train_draft(open_source(target, tmp_path / "s2"), tmp_path / "b.npz",
                                 work, ["def f(x):"], opts, texts=texts)
+    # what does not touch the answers kept: text the first run could not read, more steps
+    fresh = tmp_path / "fresh"
+    with pytest.raises(EdgespecError, match="too little text"):
+        trainer.train_draft(open_source(path, tmp_path / "s3"), tmp_path / "c.npz", fresh,
+                            ["def f(x):"], opts, texts=["x"])
+    console = Console(record=True, width=200)
+    trainer.train_draft(open_source(path, tmp_path / "s4"), tmp_path / "c.npz", fresh,
+                        ["def f(x):"], replace(opts, steps=21), console=console)
+    assert "reusing 1 conversations" in console.export_text()
     (tmp_path / "plain").write_text("mine")
-    with pytest.raises(EdgespecError, match="not a train-draft work directory"):
-        trainer.train_draft(open_source(path, tmp_path / "s3"), tmp_path / "c.npz",
+    with pytest.raises(EdgespecError, match="has no work.json"):
+        trainer.train_draft(open_source(path, tmp_path / "s5"), tmp_path / "d.npz",
                             tmp_path / "plain", ["def f(x):"], opts)
     assert (tmp_path / "plain").read_text() == "mine" and not (tmp_path / "b.npz").exists()
+    for damaged, part in ((fresh / "conversations.npz", "conversations.npz"),
+                          (fresh / "head.pt", "head.pt")):
+        damaged.write_bytes(damaged.read_bytes()[:50])  # truncated
+        with pytest.raises(EdgespecError, match=f"{part} .*damaged|{part} cannot be read"):
+            trainer.train_draft(open_source(path, tmp_path / "s6"), tmp_path / "c.npz",
+                                fresh, ["def f(x):"], replace(opts, steps=21))
+        damaged.unlink()  # as the sentence says: made again
 
 
 def test_answers_are_kept_a_block_at_a_time(tiny, tmp_path, monkeypatch):
@@ -831,7 +849,7 @@ def test_answers_are_kept_a_block_at_a_time(tiny, tmp_path, monkeypatch):
     from edgespec.export.source import open_source
     from edgespec.train import trainer
 
-    opts = trainer.TrainOptions(max_new_tokens=8, sampled=False)
+    opts = trainer.TrainOptions(max_new_tokens=8)  # greedy answers, then sampled ones
     target = trainer.FloatTarget(open_source(tiny[0], tmp_path / "s"), "cpu", 1)
     prompts, quiet = ["def f(x):", "import os", "class A:"], Console(quiet=True)
     (tmp_path / "whole").mkdir()
@@ -850,8 +868,8 @@ def test_answers_are_kept_a_block_at_a_time(tiny, tmp_path, monkeypatch):
         trainer.conversations(target, prompts, opts, tmp_path / "w", quiet)
     resumed = trainer.conversations(target, prompts, opts, tmp_path / "w", quiet)
     assert [c.tokens.tolist() for c in resumed] == [c.tokens.tolist() for c in whole]
-    assert calls == [prompts[:1], prompts[1:2], prompts[1:2], prompts[2:]]
-    assert not (tmp_path / "w" / "conversations.part.npz").exists()
+    assert calls == [[p] for p in prompts[:2] + prompts[1:] + prompts]
+    assert not (tmp_path / "w" / "answers").exists()
 
 
 def test_train_draft_learns_from_text_and_refuses_what_it_cannot_read(tiny, tmp_path):
@@ -1078,6 +1096,11 @@ def test_a_head_for_another_model_is_refused(tiny, trained, tmp_path, demo_targe
     np.savez(bogus, x=np.zeros(3))
     with pytest.raises(EdgespecError, match="not an edgespec draft head"):
         export(path, tmp_path / "b", draft=bogus)
+    for junk in (b"", b"text, not a head", trained.read_bytes()[:1000]):  # empty, cut short
+        bogus.write_bytes(junk)
+        with pytest.raises(EdgespecError, match="cannot read the draft head") as refused:
+            export(path, tmp_path / "b", draft=bogus)
+        assert "allow_pickle" not in str(refused.value)
 
 
 def test_default_export_takes_the_shipped_head_trained_on_its_target(tiny, trained, tmp_path,

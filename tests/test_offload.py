@@ -241,6 +241,9 @@ def test_an_offload_plans_tree_is_what_settings_are_checked_against():
         engine.generate("def f(", mode="spec", draft_tokens=6)
     tree = engine.generate("def f(", max_new_tokens=24, mode="spec")
     assert tree.token_ids == engine.generate("def f(", max_new_tokens=24, mode="ar").token_ids
+    engine.plan = SimpleNamespace(tree_budget=0)  # nothing offloaded: the draft's chains
+    chain = engine.generate("def f(", max_new_tokens=24, draft_tokens=3)
+    assert chain.token_ids == tree.token_ids and chain.stats.drafted > 0
 
 
 def test_plan_command(demo_bundle, nested_bundle):

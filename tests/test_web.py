@@ -226,8 +226,13 @@ def test_a_model_without_a_chat_template_is_said_at_once(browser, tmp_path, demo
     with running(create_app(edgespec.load(tmp_path / "b"), MODEL)) as url:
         browser.get(url + "/")
         wait(browser, lambda: "no chat template" in by_id(browser, "error").text)
+        by_id(browser, "new-chat").click()  # clears the banner, not the page's knowledge
         ask(browser, QUESTION)
-        assert messages(browser) == []
+        wait(browser, lambda: "no chat template" in by_id(browser, "error").text)
+        sent = browser.execute_script("return performance.getEntriesByType('resource')"
+                                      ".filter(e => e.name.endsWith('/v1/chat/completions'))"
+                                      ".length")
+        assert sent == 0 and messages(browser) == []  # told before any request
 
 
 def test_page_assets_ship_in_the_package():

@@ -18,6 +18,7 @@ target is stored twice in the head file.
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -120,8 +121,9 @@ def load_head(path: Path | str) -> DraftHead:
                          if k.startswith("w.")},
                 kept=z["kept"], fingerprint=z["fingerprint"],
                 card=json.loads(str(z["card"])))
-    except (OSError, ValueError, KeyError) as e:
-        why = "not a numpy archive" if "pickle" in str(e) else str(e)  # not numpy's hint
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        why = ("not a numpy archive" if "pickle" in str(e) or not str(e)  # not numpy's hint
+               else str(e))
         raise EdgespecError(f"cannot read the draft head {path} ({why}); pass a file "
                             "written by `edgespec train-draft`.") from None
 

@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
+import shutil
 import time
+import zipfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -80,12 +83,26 @@ def _digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def claim_work(work: Path, identity: dict[str, object]) -> None:
-    """Make `work` this run's, or check that it is: everything kept there (answers, text
-    states, self-written conversations, the checkpoint) depends on the target, the data
-    and the options, so a folder made for others is refused, naming what differs,
-    before any of it is reused (a second model trained to the same --out name once got
-    the first's head, and a changed --text went unread)."""
+# each part of a work directory: the files it is kept in, and what it depends on (None:
+# all of it): the target and its data (claim_work's digests), and options
+WORK_PARTS = {
+    "answers": (("conversations.npz", "answers"), ("target", "prompts"),
+                ("max_new_tokens", "sampled", "seed", "reader", "gen_batch")),
+    "text": (("text.npz",), ("target", "text"), ("seq_len", "text_tokens", "seed", "reader")),
+    "self-written": (("synthesized.npz", "synthesized_requests.json", "synthesized_ids.npz"),
+                     ("target",), ("synthesize", "max_new_tokens", "seed", "reader",
+                                   "gen_batch")),
+    "checkpoint": (("head.pt",), None, None),
+}
+
+
+def claim_work(work: Path, data: dict[str, object], opts: TrainOptions) -> None:
+    """Make `work` this run's, or check that what it keeps was made for this run: each
+    part (answers, text states, self-written conversations, the checkpoint) depends on
+    the target, its data and some of the options, and a part made for others is refused,
+    naming what differs, before it is reused (a second model trained to the same --out
+    once got the first's head, and a changed --text went unread). `data`: digests of the
+    target and of what it reads; the parts' own keys say which of them they depend on."""
     record = work / "work.json"
     if record.is_file():
         try:
@@ -95,18 +112,27 @@ def claim_work(work: Path, identity: dict[str, object]) -> None:
         if not isinstance(made, dict):
             raise EdgespecError(f"{record} is damaged; delete {work} or pass another --work "
                                 "directory.")
-        differ = [k for k in {**made, **identity} if made.get(k) != identity.get(k)]
-        if differ:
-            raise EdgespecError(f"{work} was made for another target, data or options "
-                                f"({', '.join(differ)}); pass the same ones, or another "
-                                "--work directory to start afresh.")
-        return
-    if work.exists() and (not work.is_dir() or any(work.iterdir())):
+    elif work.exists() and (not work.is_dir() or any(work.iterdir())):
         raise EdgespecError(f"{work} is {'a file' if not work.is_dir() else 'not empty'} and "
-                            "not a train-draft work directory; pass another --work.")
+                            "has no work.json (not a work directory of this train-draft); "
+                            "pass another --work.")
+    else:
+        made = {}
+    options = asdict(opts)
+    for part, (files, reads, keys) in WORK_PARTS.items():
+        identity = {**{k: data[k] for k in reads or data},
+                    **{k: options[k] for k in keys or options}}
+        kept = made.get(part)
+        if kept is not None and any((work / f).exists() for f in files):
+            differ = [k for k in {**kept, **identity} if kept.get(k) != identity.get(k)]
+            if differ:
+                raise EdgespecError(f"{work} keeps {part} made for another target, data or "
+                                    f"options ({', '.join(differ)}); pass the same ones, or "
+                                    "another --work directory to start afresh.")
+        made[part] = identity
     work.mkdir(parents=True, exist_ok=True)
     tmp = record.with_suffix(".part")
-    tmp.write_text(json.dumps(identity, indent=1))
+    tmp.write_text(json.dumps(made, indent=1))
     tmp.replace(record)
 
 
@@ -122,7 +148,7 @@ def _load_joined(path: Path, *keys: str) -> list[list[np.ndarray]]:
         with np.load(path, allow_pickle=False) as z:
             cuts = np.cumsum(z["lengths"])[:-1]
             return [np.split(z[key], cuts) for key in keys]
-    except (OSError, ValueError, KeyError, EOFError) as e:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         raise EdgespecError(f"{path} is damaged ({type(e).__name__}); delete it to make it "
                             "again.") from None
 
@@ -137,14 +163,20 @@ def _save_joined(path: Path, **parts: list[np.ndarray]) -> None:
     tmp.replace(path)
 
 
+def _reused(cache: Path, what: str, console: Console | None) -> list[data.Conversation]:
+    """The sequences kept in `cache` (said on `console`, if one is given)."""
+    tokens, states = _load_joined(cache, "tokens", "states")
+    convs = [data.Conversation(t, s) for t, s in zip(tokens, states, strict=True)]
+    if console is not None:
+        console.print(f"reusing {len(convs)} {what} from {cache}")
+    return convs
+
+
 def _cached(cache: Path, what: str, console: Console,
             make: Callable[[], list[data.Conversation]]) -> list[data.Conversation]:
     """`make()`'s sequences, or those it made on an earlier run (kept in `cache`)."""
     if cache.is_file():
-        tokens, states = _load_joined(cache, "tokens", "states")
-        convs = [data.Conversation(t, s) for t, s in zip(tokens, states, strict=True)]
-        console.print(f"reusing {len(convs)} {what} from {cache}")
-        return convs
+        return _reused(cache, what, console)
     convs = make()
     _save_joined(cache, tokens=[c.tokens for c in convs], states=[c.states for c in convs])
     return convs
@@ -225,31 +257,31 @@ Target = ExportedTarget | FloatTarget
 def conversations(target: Target, prompts: list[str], opts: TrainOptions, work: Path,
                   console: Console) -> list[data.Conversation]:
     """The target's answers and states, cached in `work` (conversations.npz). They are
-    answered a block of prompts at a time (a GPU's batch, else 16), each block kept as it
-    comes (conversations.part.npz), so an interrupted run loses one block at most."""
-    part = work / "conversations.part.npz"
-    block = getattr(target, "batch", 16)
-
-    def answer() -> list[data.Conversation]:
-        convs = []
-        if part.is_file():
-            tokens, states = _load_joined(part, "tokens", "states")
-            convs = [data.Conversation(t, s) for t, s in zip(tokens, states, strict=True)]
-        with _progress(console) as progress:
-            for i, temperature in enumerate([0.0, 0.7] if opts.sampled else [0.0]):
-                done = min(max(0, len(convs) - i * len(prompts)), len(prompts))
-                task = progress.add_task(f"target answers (T={temperature})",
-                                         total=len(prompts), completed=done)
-                for start in range(done, len(prompts), block):
-                    convs += target.answer(prompts[start:start + block], opts.max_new_tokens,
-                                           temperature, opts.seed + i + 1000 * start,
-                                           lambda n, t=task: progress.advance(t, n))
-                    _save_joined(part, tokens=[c.tokens for c in convs],
-                                 states=[c.states for c in convs])
-        return convs
-
-    convs = _cached(work / "conversations.npz", "conversations", console, answer)
-    part.unlink(missing_ok=True)
+    answered a block of prompts at a time (a GPU's batch, else 32), each block kept in a
+    file of its own (answers/), so an interrupted run loses one block at most."""
+    final, blocks = work / "conversations.npz", work / "answers"
+    if final.is_file():
+        return _reused(final, "conversations", console)
+    size = getattr(target, "batch", 32)
+    convs: list[data.Conversation] = []
+    blocks.mkdir(exist_ok=True)
+    with _progress(console) as progress:
+        for i, temperature in enumerate([0.0, 0.7] if opts.sampled else [0.0]):
+            task = progress.add_task(f"target answers (T={temperature})", total=len(prompts))
+            for start in range(0, len(prompts), size):
+                block = blocks / f"{i}-{start:06d}.npz"
+                if block.is_file():
+                    made = _reused(block, "", None)
+                    progress.advance(task, len(made))
+                else:
+                    made = target.answer(prompts[start:start + size], opts.max_new_tokens,
+                                         temperature, opts.seed + i + 1000 * start,
+                                         lambda n, t=task: progress.advance(t, n))
+                    _save_joined(block, tokens=[c.tokens for c in made],
+                                 states=[c.states for c in made])
+                convs += made
+    _save_joined(final, tokens=[c.tokens for c in convs], states=[c.states for c in convs])
+    shutil.rmtree(blocks)
     return convs
 
 
@@ -425,8 +457,7 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     asked = task_requests(opts.seed, opts.tasks, texts or (), opts.task_chars) \
         if opts.tasks else []
     claim_work(work, {"target": _digest(fingerprint(embeddings).round(3).tolist()),
-                      "prompts": _digest(prompts + asked), "text": _digest(texts or []),
-                      **asdict(opts)})
+                      "prompts": _digest(prompts + asked), "text": _digest(texts or [])}, opts)
     target = (FloatTarget(source, opts.device, opts.gen_batch) if opts.reader == "float"
               else ExportedTarget(source, console))
     if opts.synthesize:
@@ -457,7 +488,7 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     if resume and checkpoint.is_file():
         try:
             saved = torch.load(checkpoint, weights_only=False, map_location=opts.device)
-        except (OSError, RuntimeError, EOFError) as e:
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
             raise EdgespecError(f"{checkpoint} cannot be read ({str(e).splitlines()[0]}); "
                                 "delete it to train from the start.") from None
         head.load_state_dict(saved["head"])
@@ -496,7 +527,7 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
                 tmp = work / "head.part.pt"
                 torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(),
                             "schedule": schedule.state_dict(), "step": step,
-                            "history": history, "rng": rng, "opts": asdict(opts),
+                            "history": history, "rng": rng,
                             "torch_rng": torch.get_rng_state(),
                             "cuda_rng": torch.cuda.get_rng_state_all()
                             if opts.device.startswith("cuda") else None}, tmp)

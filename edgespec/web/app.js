@@ -6,6 +6,8 @@
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "edgespec-api-key"; // this tab only: sessionStorage, not localStorage
 const state = { model: null, history: [], controller: null, chat: true };
+const NO_CHAT = "This model has no chat template, so this page cannot chat with it: send it " +
+  "text to continue through /v1/completions, or serve a chat model.";
 
 function setBusy(busy) {
   document.body.dataset.state = busy ? "streaming" : "idle";
@@ -164,8 +166,7 @@ async function connect() {
     $("key-label").hidden = !health.auth;
     state.chat = health.chat;
     if (!health.chat) {
-      showError("This model has no chat template, so this page cannot chat with it: send it " +
-        "text to continue through /v1/completions, or serve a chat model.");
+      showError(NO_CHAT);
     } else if (health.auth && !$("api-key").value) {
       showError("This server needs its API key: enter it above.");
     }
@@ -176,7 +177,7 @@ async function connect() {
 
 // what is wrong with the settings fields, in one sentence, or ""
 function settingsProblem() {
-  if (!state.chat) return $("error").textContent;
+  if (!state.chat) return NO_CHAT;
   const temperature = $("temperature").value, tokens = $("max-tokens").value;
   if (temperature === "" || !(Number(temperature) >= 0 && Number(temperature) <= 2)) {
     return "Temperature must be a number from 0 (greedy) to 2.";
