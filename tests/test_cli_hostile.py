@@ -311,11 +311,15 @@ def test_keyless_public_bind_warns():
 
 
 # 15: text then Ctrl-D leaves the chat without sending the text
-def test_chat_ctrl_d_after_text_leaves():
+def test_chat_ctrl_d_after_text_sends_nothing_and_on_an_empty_line_leaves():
+    """Ctrl-D never sends what is typed so far: readline ignores it on a line with text
+    (as the shell does); on an empty line it leaves."""
     child = pexpect.spawn(sys.executable, ["-m", "edgespec.cli", "chat", "--mode", "ar"],
                           encoding="utf-8", timeout=60, dimensions=(40, 200))
     child.expect_exact(">>> ")
     child.send("Write a long Python module.")
+    child.sendeof()
+    child.send("\x15")  # Ctrl-U: the line emptied
     child.sendeof()
     child.expect(pexpect.EOF)
     child.close()

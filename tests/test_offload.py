@@ -286,12 +286,15 @@ def test_a_planned_offload_verifies_large_best_first_trees_losslessly(engine, de
     offloaded = edgespec.load(demo_bundle, device="cpu", context=512, placements=[
         Placement(p.start, p.stop, "cpu", p.streamed) for p in plan.placements])
     offloaded.plan = plan
+    new = 2 * plan.tree_budget  # room for full trees (none drafts past the tokens asked)
     for prompt in PROMPTS[:2]:
-        want = engine.generate(prompt, max_new_tokens=32, mode="ar").token_ids
-        got = offloaded.generate(prompt, max_new_tokens=32, mode="spec")
-        assert got.token_ids == want
-        # each step's tree pass took a tree of about the planned size (and one chain pass
-        # verified the path it picked: two target passes per step)
-        steps = (got.stats.target_passes - 1) / 2
-        assert got.stats.drafted > 0.5 * plan.tree_budget * steps
-        assert got.stats.tokens_per_target_pass > 1
+        want = engine.generate(prompt, max_new_tokens=new, mode="ar").token_ids
+        got, first = [], None
+        for record in offloaded.records(prompt, max_new_tokens=new, mode="spec"):
+            got += record.tokens
+            first = first or record.stats.drafted
+        assert got == want
+        # the first step's tree pass took a tree of about the planned size (and one chain
+        # pass verified the path it picked)
+        assert first > 0.5 * plan.tree_budget
+        assert record.stats.tokens_per_target_pass > 1
