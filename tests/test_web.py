@@ -94,6 +94,16 @@ def settings(driver, mode, temperature, max_tokens):
         field.send_keys(str(value))
 
 
+def opened(driver, server, max_tokens):
+    """The page, connected with the key, greedy AR answers of `max_tokens`."""
+    driver.get(server + "/")
+    wait(driver, lambda: "edgespec-demo on cpu" in by_id(driver, "model").text)
+    if not by_id(driver, "api-key").get_attribute("value"):
+        by_id(driver, "api-key").send_keys(KEY)
+    by_id(driver, "prompt").click()  # the key field's change event stores it
+    settings(driver, "ar", 0, max_tokens)
+
+
 def test_chat_page_streams_answers_with_stats_and_stops(browser, server, engine):
     browser.get(server + "/")
     wait(browser, lambda: "edgespec-demo on cpu" in by_id(browser, "model").text)
@@ -166,12 +176,7 @@ def test_chat_page_streams_answers_with_stats_and_stops(browser, server, engine)
 def test_a_conversation_longer_than_the_context_is_told_to_start_over(browser, server):
     """The demo holds 512 tokens: a first message too long for it is to be shortened; a
     conversation that outgrows it, to be started afresh."""
-    browser.get(server + "/")
-    wait(browser, lambda: "edgespec-demo on cpu" in by_id(browser, "model").text)
-    if not by_id(browser, "api-key").get_attribute("value"):
-        by_id(browser, "api-key").send_keys(KEY)
-    by_id(browser, "prompt").click()
-    settings(browser, "ar", 0, 8)
+    opened(browser, server, max_tokens=8)
     long = "x = 1; " * 200  # ~810 tokens
     ask(browser, long)
     wait(browser, lambda: "Shorten your message" in by_id(browser, "error").text)
@@ -188,12 +193,7 @@ def test_a_conversation_longer_than_the_context_is_told_to_start_over(browser, s
 
 def test_text_goes_as_typed_an_input_method_enter_is_no_send_and_fields_are_checked(
         browser, server):
-    browser.get(server + "/")
-    wait(browser, lambda: "edgespec-demo on cpu" in by_id(browser, "model").text)
-    if not by_id(browser, "api-key").get_attribute("value"):
-        by_id(browser, "api-key").send_keys(KEY)
-    by_id(browser, "prompt").click()
-    settings(browser, "ar", 0, 4)
+    opened(browser, server, max_tokens=4)
     enter = ("const p = document.getElementById('prompt'); p.value = arguments[0];"
              "p.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter', bubbles: true,"
              "cancelable: true, isComposing: arguments[1]}));")
