@@ -249,7 +249,7 @@ def _replaceable(out: Path) -> None:
 
 
 @contextmanager
-def cleanup_on_termination() -> Iterator[None]:
+def _cleanup_on_termination() -> Iterator[None]:
     """SIGTERM and SIGHUP unwind like Ctrl-C does, so `finally` removes the partial
     directory (their default action kills the process on the spot)."""
     if threading.current_thread() is not threading.main_thread():
@@ -268,6 +268,15 @@ def cleanup_on_termination() -> Iterator[None]:
 
 
 @contextmanager
+def source_scratch() -> Iterator[Path]:
+    """A scratch folder to read a source into (a GGUF file's tokenizer, rebuilt), removed
+    however the run ends, SIGTERM and SIGHUP included."""
+    with _cleanup_on_termination(), tempfile.TemporaryDirectory(
+            prefix="edgespec-source-") as scratch:
+        yield Path(scratch)
+
+
+@contextmanager
 def write_bundle(out: Path | str, overwrite: bool = False) -> Iterator[tuple[Path, Callable]]:
     """Yield a temporary directory and a `finish(manifest)` callback; rename on success.
 
@@ -275,7 +284,7 @@ def write_bundle(out: Path | str, overwrite: bool = False) -> Iterator[tuple[Pat
     and is deleted if anything fails, Ctrl-C, SIGTERM and SIGHUP included. `finish`
     hashes every file it finds, so the manifest always lists exactly what was written.
     """
-    with cleanup_on_termination(), _write_bundle(Path(out), overwrite) as written:
+    with _cleanup_on_termination(), _write_bundle(Path(out), overwrite) as written:
         yield written
 
 

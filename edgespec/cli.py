@@ -279,7 +279,6 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
                 lr: float, device: str, gen_batch: int, seed: int, threads: int) -> None:
     """Train an EAGLE draft head for TARGET (a .gguf file or checkpoint directory) from
     the target alone; `edgespec export TARGET --draft OUT` then speculates with it."""
-    import tempfile
 
     try:
         import torch
@@ -290,7 +289,7 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
     except ImportError as e:
         raise EdgespecError(f"train-draft needs PyTorch and transformers ({e.name} is "
                             "missing); pip install 'edgespec[export]'.") from None
-    from edgespec.bundle import cleanup_on_termination
+    from edgespec.bundle import source_scratch
     from edgespec.export.draft_head import load_head
     from edgespec.export.source import open_source
 
@@ -310,9 +309,8 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
                         device=device, reader="float" if device == "cuda" else "exported",
                         gen_batch=gen_batch)
     text = read_texts(list(texts)) if texts else None
-    with cleanup_on_termination(), tempfile.TemporaryDirectory(
-            prefix="edgespec-source-") as scratch:
-        source = open_source(target, Path(scratch))
+    with source_scratch() as scratch:
+        source = open_source(target, scratch)
         head = run(source, out, work or out.with_name(out.stem + ".work"),
                    read_prompts(prompts) if prompts else None, opts, console=err, texts=text)
     err.print(f"wrote {out}: {head.params / 1e6:.2f} M parameters, {len(head.kept)} tokens; "

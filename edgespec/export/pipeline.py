@@ -7,7 +7,6 @@ import errno
 import json
 import platform
 import shutil
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from edgespec import __version__, kernels
-from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, cleanup_on_termination, write_bundle
+from edgespec.bundle import PRECISIONS, Manifest, ModelEntry, source_scratch, write_bundle
 from edgespec.errors import EdgespecError, WriteError
 from edgespec.export.architectures import Weight, adapter_for
 from edgespec.export.calibrate import add_stat_outputs, second_moments
@@ -403,12 +402,10 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     if kv_cache == "int8" and ep_profile == "dml":
         raise EdgespecError("an int8 KV cache needs GroupQueryAttention: use the cpu or cuda "
                             "profile.")
-    # SIGTERM unwinds from the first step, so the scratch folder goes too
-    with cleanup_on_termination(), tempfile.TemporaryDirectory(
-            prefix="edgespec-source-") as scratch:
-        target_src = open_source(target, Path(scratch) / "target", trust_remote_code,
+    with source_scratch() as scratch:
+        target_src = open_source(target, scratch / "target", trust_remote_code,
                                  keep_codes=not requantize)
-        draft_src = (open_source(draft, Path(scratch) / "draft", trust_remote_code,
+        draft_src = (open_source(draft, scratch / "draft", trust_remote_code,
                                  keep_codes=not requantize) if draft and not nested else None)
         if draft_src:
             check_same_vocab(target_src.tokenizer_dir, draft_src.tokenizer_dir)

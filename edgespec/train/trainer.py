@@ -131,9 +131,7 @@ def claim_work(work: Path, data: dict[str, object], opts: TrainOptions) -> None:
                                     "another --work directory to start afresh.")
         made[part] = identity
     work.mkdir(parents=True, exist_ok=True)
-    tmp = record.with_suffix(".part")
-    tmp.write_text(json.dumps(made, indent=1))
-    tmp.replace(record)
+    _write_json(record, made)
 
 
 def _progress(console: Console) -> Progress:
@@ -163,6 +161,18 @@ def _save_joined(path: Path, **parts: list[np.ndarray]) -> None:
     tmp.replace(path)
 
 
+def _write_json(path: Path, value: object) -> None:
+    """Written whole (to a temporary name, then renamed): a run stopped midway leaves the
+    previous file or none, never half of one."""
+    tmp = path.with_suffix(".part")
+    tmp.write_text(json.dumps(value, ensure_ascii=False, indent=1))
+    tmp.replace(path)
+
+
+def _save_convs(path: Path, convs: list[data.Conversation]) -> None:
+    _save_joined(path, tokens=[c.tokens for c in convs], states=[c.states for c in convs])
+
+
 def _reused(cache: Path, what: str, console: Console | None) -> list[data.Conversation]:
     """The sequences kept in `cache` (said on `console`, if one is given)."""
     tokens, states = _load_joined(cache, "tokens", "states")
@@ -178,7 +188,7 @@ def _cached(cache: Path, what: str, console: Console,
     if cache.is_file():
         return _reused(cache, what, console)
     convs = make()
-    _save_joined(cache, tokens=[c.tokens for c in convs], states=[c.states for c in convs])
+    _save_convs(cache, convs)
     return convs
 
 
@@ -277,10 +287,9 @@ def conversations(target: Target, prompts: list[str], opts: TrainOptions, work: 
                     made = target.answer(prompts[start:start + size], opts.max_new_tokens,
                                          temperature, opts.seed + i + 1000 * start,
                                          lambda n, t=task: progress.advance(t, n))
-                    _save_joined(block, tokens=[c.tokens for c in made],
-                                 states=[c.states for c in made])
+                    _save_convs(block, made)
                 convs += made
-    _save_joined(final, tokens=[c.tokens for c in convs], states=[c.states for c in convs])
+    _save_convs(final, convs)
     shutil.rmtree(blocks)
     return convs
 
@@ -334,9 +343,7 @@ def self_written(source: Source, target: Target, opts: TrainOptions, work: Path,
             requests = data.self_requests(model, tokenizer, source.eos_ids, opts.synthesize,
                                           opts.seed, opts.gen_batch,
                                           lambda k: progress.advance(task, k))
-            tmp = asked.with_suffix(".part")
-            tmp.write_text(json.dumps(requests, ensure_ascii=False))
-            tmp.replace(asked)
+            _write_json(asked, requests)
         task = progress.add_task("the target answers them", total=len(requests),
                                  completed=len(seqs))
         for convs in data.answered(model, tokenizer, source.eos_ids, requests[len(seqs):],
