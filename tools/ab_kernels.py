@@ -5,7 +5,8 @@ This host drifts ±30% between runs (and between processes started a minute apar
 kernel change is judged by the ratio of passes timed moments apart in one process: each
 revision's library is compiled from `git show REV:edgespec/kernels/*` with setup.py's
 flags into a temporary directory, each bundle is opened once per library (ONNX Runtime
-loads each file privately, so their symbols never mix), and every round times every
+loads each file privately, so their symbols never mix) on the one thread pool they share
+(pools of their own, left spinning, doubled each other's pass times), and every round times every
 (library, model, S) like tools/bench_verify_cost.py does. Ratios are medians of the
 per-round ratios to the first revision. `WORK` is the working tree's sources.
 
@@ -25,6 +26,7 @@ import numpy as np
 import edgespec
 from edgespec import kernels
 from edgespec.errors import EdgespecError
+from edgespec.runtimes import pool
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_verify_cost import pass_ms  # noqa: E402
@@ -75,6 +77,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=50, help="tokens cached before each pass")
     a = ap.parse_args()
+    pool.share_threads()  # pools of their own, spinning, would slow one another
     with tempfile.TemporaryDirectory() as tmp:
         engines = {}
         for rev in a.rev:
@@ -88,8 +91,10 @@ def main() -> None:
                   for s in (a.tokens if role == "target" else [1])
                   if getattr(engines[a.rev[0]], role) is not None]
         ms = {(rev, m): [] for rev in a.rev for m in models}
-        for _ in range(a.rounds):
-            for rev, engine in engines.items():
+        for r in range(a.rounds):
+            turn = r % len(a.rev)  # each revision in every place of the order in turn:
+            for rev in a.rev[turn:] + a.rev[:turn]:  # the first of a round ran slower here
+                engine = engines[rev]
                 for role, s in models:
                     ms[(rev, (role, s))].append(
                         pass_ms(getattr(engine, role), s, a.repeats, a.context))

@@ -107,6 +107,7 @@ static void values_portable(const AttendBlock *b, int64_t g, int64_t d0, int64_t
 
 #ifdef EDGESPEC_X86
 EXP_SIMD(256, AVX2)
+EXP_SIMD(512, VNNI)
 
 /* fold8 on a vector. */
 AVX2 INLINE float fold_256(__m256 v) {
@@ -187,11 +188,10 @@ AVX2 INLINE void scores_avx2(const AttendBlock *b, int64_t g, int64_t u0, int64_
     }
 }
 
-AVX2 static float exps_avx2(float *e, int64_t n, float top) {
+/* exps from element i on, into the 8 lane sums so far (exps_avx2 starts at 0). */
+AVX2 INLINE float exps_from_256(float *e, int64_t n, float top, __m256 lanes, int64_t i) {
     const __m256 vtop = _mm256_set1_ps(top);
-    __m256 lanes = _mm256_setzero_ps();
-    int64_t i;
-    for (i = 0; i + 8 <= n; i += 8) {
+    for (; i + 8 <= n; i += 8) {
         const __m256 x = exp_256(_mm256_sub_ps(_mm256_loadu_ps(e + i), vtop));
         _mm256_storeu_ps(e + i, x);
         lanes = _mm256_add_ps(lanes, x);
@@ -199,6 +199,26 @@ AVX2 static float exps_avx2(float *e, int64_t n, float top) {
     float tail[8] = {0}; /* the last n % 8, the other lanes adding exact zeros */
     for (int64_t j = 0; i + j < n; ++j) tail[j] = e[i + j] = exp_portable(e[i + j] - top);
     return fold_256(_mm256_add_ps(lanes, _mm256_loadu_ps(tail)));
+}
+
+AVX2 static float exps_avx2(float *e, int64_t n, float top) {
+    return exps_from_256(e, n, top, _mm256_setzero_ps(), 0);
+}
+
+/* exps_avx2 sixteen at a time: the high 8 lanes of each vector are added after the low 8,
+ * so lane l still sums e[l], e[l + 8], e[l + 16], ... in that order, bit for bit. */
+VNNI static float exps_512(float *e, int64_t n, float top) {
+    const __m512 vtop = _mm512_set1_ps(top);
+    __m256 lanes = _mm256_setzero_ps();
+    int64_t i;
+    for (i = 0; i + 16 <= n; i += 16) {
+        const __m512 x = exp_512(_mm512_sub_ps(_mm512_loadu_ps(e + i), vtop));
+        _mm512_storeu_ps(e + i, x);
+        lanes = _mm256_add_ps(lanes, _mm512_castps512_ps256(x));
+        lanes = _mm256_add_ps(lanes, _mm256_castpd_ps(
+                                         _mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    }
+    return exps_from_256(e, n, top, lanes, i);
 }
 
 /* to_half of n floats with F16C, which rounds to nearest even as to_half does once a
@@ -574,7 +594,8 @@ static void to_halves(const float *x, uint16_t *out, int64_t n) {
 
 static float exps(float *e, int64_t n, float top) {
 #ifdef EDGESPEC_X86
-    if (blockq_path() >= 1) return exps_avx2(e, n, top);
+    if (blockq_path() == 2) return exps_512(e, n, top);
+    if (blockq_path() == 1) return exps_avx2(e, n, top);
 #endif
     return exps_portable(e, n, top);
 }
@@ -609,21 +630,46 @@ void attend_weights(const AttendBlock *b, int64_t t0, int64_t t1, float *e, int3
     }
 }
 
+/* An output's n dimensions divided by its sum of weights (after the value scales vs of
+ * int8 caches); 0 where it saw no key. Loops the compiler vectorizes: a division is the
+ * same correctly rounded one in any lane, and scalar divisions took a tenth of a 17-token
+ * pass's attention. */
+static inline __attribute__((always_inline)) void normalize_body(float *o, const float *vs,
+                                                                 float sum, int64_t n) {
+    if (sum == 0.0f) {
+        memset(o, 0, (size_t)n * sizeof(float));
+    } else if (vs != NULL) {
+        for (int64_t d = 0; d < n; ++d) o[d] = o[d] * vs[d] / sum;
+    } else {
+        for (int64_t d = 0; d < n; ++d) o[d] = o[d] / sum;
+    }
+}
+
+static void normalize_portable(float *o, const float *vs, float sum, int64_t n) {
+    normalize_body(o, vs, sum, n);
+}
+
+#ifdef EDGESPEC_X86
+VNNI static void normalize_512(float *o, const float *vs, float sum, int64_t n) {
+    normalize_body(o, vs, sum, n);
+}
+#endif
+
 void attend_values(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
     const AttendShape *a = b->a;
-    const int kind = kind_of(a), int8 = kind == CODES;
+    const int kind = kind_of(a);
+    void (*normalize)(float *, const float *, float, int64_t) = normalize_portable;
 #ifdef EDGESPEC_X86
+    if (blockq_path() == 2) normalize = normalize_512;
     if (blockq_path() >= 1)
         VALUES[blockq_path() - 1][kind](b, g, d0, d1);
     else
 #endif
         values_portable(b, g, d0, d1, kind);
-    FOR_GROUP_QUERIES(b, g, s, h) {
-        float *o = b->out + (s * a->H + h) * a->D;
-        const float sum = b->sums[(s - b->r0) * a->H + h];
-        for (int64_t d = d0; d < d1; ++d)
-            o[d] = sum == 0.0f ? 0.0f : (int8 ? o[d] * a->vscale[g * a->D + d] : o[d]) / sum;
-    }
+    FOR_GROUP_QUERIES(b, g, s, h)
+        normalize(b->out + (s * a->H + h) * a->D + d0,
+                  kind == CODES ? a->vscale + g * a->D + d0 : NULL,
+                  b->sums[(s - b->r0) * a->H + h], d1 - d0);
 }
 
 static void rotate(const float *x, float *y, int64_t D, int64_t half, const float *c,

@@ -12,7 +12,7 @@
 #if defined(__GNUC__) && defined(__x86_64__)
 #define EDGESPEC_X86 1
 #include <immintrin.h>
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 #endif
