@@ -26,9 +26,9 @@ static void store_block(BlockqRows *rows, int64_t at, float d, int32_t sum) {
 }
 
 /* Codes by int8_code (simd.h): the SIMD paths' rounding, with no libm call. */
-static void quantize_portable(const float *x, BlockqRows *rows) {
+static void quantize_portable(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
     const int64_t K = rows->K, nb = K / 32;
-    for (int64_t m = 0; m < rows->M; ++m) {
+    for (int64_t m = m0; m < m1; ++m) {
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
             int8_t *q = rows->q + (b * rows->M + m) * 32;
@@ -323,10 +323,10 @@ AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float 
 
 /* The portable quantizer's results with vector instructions: max, multiply, clamp and
  * round to nearest even are exact, so every path gives the same codes. */
-VNNI static void quantize_vnni(const float *x, BlockqRows *rows) {
+VNNI static void quantize_vnni(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
     const int64_t K = rows->K, nb = K / 32;
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-    for (int64_t m = 0; m < rows->M; ++m) {
+    for (int64_t m = m0; m < m1; ++m) {
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
             const __m512 a[2] = {_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)};
@@ -348,12 +348,12 @@ VNNI static void quantize_vnni(const float *x, BlockqRows *rows) {
     }
 }
 
-AVX2 static void quantize_avx2(const float *x, BlockqRows *rows) {
+AVX2 static void quantize_avx2(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
     const int64_t K = rows->K, nb = K / 32;
     const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t m = 0; m < rows->M; ++m) {
+    for (int64_t m = m0; m < m1; ++m) {
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
             __m256 a[4], peak = _mm256_setzero_ps();
@@ -430,14 +430,18 @@ int blockq_path(void) {
 
 void blockq_limit_path(int path) { path_limit = path; }
 
-void blockq_quantize_rows(const float *x, BlockqRows *rows) {
+void blockq_quantize_range(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
     switch (blockq_path()) {
 #ifdef EDGESPEC_X86
-    case 2: quantize_vnni(x, rows); return;
-    case 1: quantize_avx2(x, rows); return;
+    case 2: quantize_vnni(x, rows, m0, m1); return;
+    case 1: quantize_avx2(x, rows, m0, m1); return;
 #endif
-    default: quantize_portable(x, rows);
+    default: quantize_portable(x, rows, m0, m1);
     }
+}
+
+void blockq_quantize_rows(const float *x, BlockqRows *rows) {
+    blockq_quantize_range(x, rows, 0, rows->M);
 }
 
 void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out) {

@@ -40,6 +40,9 @@ typedef struct {
 
 void blockq_quantize_rows(const float *x, BlockqRows *rows);
 
+/* Rows [m0, m1) of blockq_quantize_rows (x is all of them): what a thread takes of a pass. */
+void blockq_quantize_range(const float *x, BlockqRows *rows, int64_t m0, int64_t m1);
+
 /* out[m, k] = silu(x[m, k]) * x[m, K + k] for x [M, 2K]: a gated MLP's activation, taken
  * as the down projection reads its input (no Split, Sigmoid and Mul nodes between). The
  * exponential is edgespec's own (Cephes' polynomial, within 2 ulp), the same operations on

@@ -10,8 +10,9 @@
  * BlockQMatMulHalf: the same with scales and offsets in float16 (half the bytes per step).
  * Optional attribute gated (int64, 0 by default): X is [..., 2K], a gated MLP's gate and up
  *   halves, and the product is taken of silu(gate) * up (blockq_silu_mul).
- * X is quantized once per call (blockq_quantize_rows), then the N/16 column tiles are split
- * into contiguous ranges run on ONNX Runtime's intra-op thread pool (blockq_columns).
+ * X is quantized once per call (blockq_quantize_range, its rows split among threads when
+ * there are enough), then the N/16 column tiles are split into contiguous ranges run on
+ * ONNX Runtime's intra-op thread pool (blockq_columns).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -177,6 +178,32 @@ static OrtStatus *check_vector(const OrtApi *api, const OrtValue *v, const char 
   return st;
 }
 
+/* A pass's rows are quantized (and a gated product's silu taken) on the pool too once it
+ * has PREPARE_MIN_VALUES inputs a task, in contiguous runs of rows: one thread took them
+ * while the other waited. */
+#ifndef PREPARE_MIN_VALUES
+#define PREPARE_MIN_VALUES ((int64_t)1 << 13)
+#endif
+
+typedef struct {
+  const float *x; /* X: [M, K], or [M, 2K] when gated (silu(gate) * up into act first) */
+  float *act;
+  BlockqRows *rows;
+  int64_t tasks;
+} PrepareJob;
+
+static void prepare_task(void *user_data, size_t i) {
+  const PrepareJob *j = (const PrepareJob *)user_data;
+  const int64_t M = j->rows->M, K = j->rows->K;
+  const int64_t m0 = M * (int64_t)i / j->tasks, m1 = M * ((int64_t)i + 1) / j->tasks;
+  const float *x = j->x;
+  if (j->act != NULL) {
+    blockq_silu_mul(x + m0 * 2 * K, m1 - m0, K, j->act + m0 * K);
+    x = j->act;
+  }
+  blockq_quantize_range(x, j->rows, m0, m1);
+}
+
 typedef struct {
   const BlockqRows *rows;
   BlockqWeight weight;
@@ -261,11 +288,16 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
                   (long long)K);
     goto done;
   }
-  if (k->gated) {
-    blockq_silu_mul((const float *)px, M, K, act);
-    px = act;
+  PrepareJob prepare = {(const float *)px, act, &rows, M * width / PREPARE_MIN_VALUES};
+  if (prepare.tasks > k->cpus) prepare.tasks = k->cpus;
+  if (prepare.tasks > M) prepare.tasks = M;
+  if (prepare.tasks <= 1) {
+    prepare.tasks = 1;
+    prepare_task(&prepare, 0);
+  } else if ((st = api->KernelContext_ParallelFor(ctx, prepare_task, (size_t)prepare.tasks,
+                                                  (size_t)prepare.tasks, &prepare)) != NULL) {
+    goto done;
   }
-  blockq_quantize_rows((const float *)px, &rows);
 
   ColumnsJob job = {&rows, {(const uint8_t *)pcodes, pscales, poffsets, N, bits, k->half},
                     (float *)py, N / 16, 1};
