@@ -235,6 +235,36 @@ def test_no_pass_verifies_drafts_past_the_tokens_wanted(kind, limit):
     assert max(high) <= len(prompt) + limit - 1
 
 
+def spec_samples(kind: str, target_table: np.ndarray, draft_table: np.ndarray,
+                 params: SamplingParams, rng: np.random.Generator,
+                 limit: int | None = None) -> list[tuple]:
+    """6,000 runs of 3 tokens after [2]: chains of 3, or trees of 2 x 3 (budget 6), their
+    tree rows the chain rows ("exact-tree") or not."""
+    samples = []
+    for _ in range(6000):
+        stats, draft = GenerationStats("spec"), MarkovModel(draft_table, 200)
+        if kind == "chain":
+            steps = chain_decode(MarkovModel(target_table, 200), ModelDrafter(draft), [2],
+                                 params, 3, rng, stats, limit=limit)
+        else:
+            target = (ExactTrees if kind == "exact-tree" else MarkovModel)(target_table, 200)
+            steps = tree_decode(target, TreeDrafter(draft, top_k=2, depth=3), [2], params, 6,
+                                rng, stats, limit=limit)
+        samples.append(tuple(take(steps, 3)))
+    return samples
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree", "exact-tree"])
+def test_sampling_with_a_limit_preserves_sequence_distribution(kind):
+    """Drafts cut to the tokens wanted (`limit`: chains of 3 and trees of depth 3 cut to
+    the 2 drafts that 3 wanted tokens leave room for) still sample the target's sequences."""
+    target_table, draft_table = tables(8)
+    params = SamplingParams(1.0)
+    samples = spec_samples(kind, target_table, draft_table, params, np.random.default_rng(9),
+                           limit=3)
+    assert_matches(samples, exact_distribution(target_table, 2, 3, params))
+
+
 def test_warp_top_k_and_top_p():
     logits = np.log(np.array([0.5, 0.25, 0.15, 0.1]))
     np.testing.assert_allclose(warp(logits, SamplingParams(1.0, top_k=2)),
@@ -580,19 +610,7 @@ def test_a_wrong_verifier_fails_the_losslessness_tests(monkeypatch, kind):
             test_greedy_chain_equals_greedy_ar(1, 4)
         return
     params = SamplingParams(1.0)
-    rng = np.random.default_rng(4)
-    samples = []
-    for _ in range(6000):
-        target = MarkovModel(target_table, 200)
-        if kind == "chain":
-            gen = chain_decode(target, ModelDrafter(MarkovModel(draft_table)), [2], params, 3,
-                               rng, GenerationStats("spec"))
-        else:
-            if kind == "exact-tree":
-                target = ExactTrees(target_table, 200)
-            gen = tree_decode(target, TreeDrafter(MarkovModel(draft_table, 200), 2, 3), [2],
-                              params, 6, rng, GenerationStats("spec"))
-        samples.append(tuple(take(gen, 3)))
+    samples = spec_samples(kind, target_table, draft_table, params, np.random.default_rng(4))
     with pytest.raises(AssertionError):
         assert_matches(samples, exact_distribution(target_table, 2, 3, params))
 
