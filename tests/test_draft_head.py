@@ -521,6 +521,7 @@ def test_float_states_in_padded_batches_are_the_exported_targets(tiny, tmp_path)
         assert np.abs(got.astype(np.float32) - want.states.astype(np.float32)).max() < 1e-2
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # torch's, on a read-only table
 def test_train_draft_on_a_gpu_learns_the_float_models_answers_and_states(
         tiny, tmp_path, monkeypatch):
     """What --device cuda runs (reader "float"), here on the CPU: the float model answers

@@ -126,7 +126,8 @@ class EagleHead(nn.Module):
 
     def load_weights(self, weights: dict[str, np.ndarray]) -> None:
         """A trained head's weights (DraftHead.weights, export_weights' names)."""
-        state = {f"{k.removeprefix('layer.')}.weight": torch.from_numpy(np.asarray(v, np.float32))
+        state = {f"{k.removeprefix('layer.')}.weight":
+                 torch.from_numpy(np.require(v, np.float32, "W"))  # a read-only view warns
                  for k, v in weights.items()}
         self.load_state_dict(state, strict=True)
 

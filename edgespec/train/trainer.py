@@ -482,7 +482,8 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
         counts = np.bincount(answers, minlength=spec.vocab_size)
         kept = kept_tokens(counts, min(opts.kept, spec.vocab_size), source.eos_ids)
         config = HeadConfig.for_target(spec, opts.intermediate_size or 2 * spec.hidden_size)
-    head = starting_head(config, torch.from_numpy(as_float(embeddings)),
+    # a float file's table is a read-only view of it, which torch warns about sharing
+    head = starting_head(config, torch.from_numpy(np.require(as_float(embeddings), None, "W")),
                          torch.from_numpy(as_float(adapter.lm_head())[kept]), spec.embed_scale,
                          start).to(opts.device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=opts.lr, weight_decay=0.0)
