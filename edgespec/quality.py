@@ -70,13 +70,34 @@ def scored_logprobs(graph: Path, entry: ModelEntry, chunks: list[list[int]]
     return out
 
 
+def check_vocab(model: int, reference: int | None) -> None:
+    if reference is not None and model != reference:
+        raise EdgespecError(f"the bundle's vocabulary ({model} tokens) differs from the "
+                            f"reference's ({reference}); compare a bundle with the model it "
+                            "was exported from.")
+
+
+def declared_vocab(reference: Path) -> int | None:
+    """The vocabulary a GGUF file or checkpoint folder declares, read without its weights
+    (None where it declares none): a wrong reference is refused before it is exported."""
+    from edgespec.export.source import is_gguf
+
+    if is_gguf(reference):
+        from edgespec.export.gguf_reader import open_reader, read_metadata
+
+        return read_metadata(open_reader(reference), reference)[1]["vocab_size"]
+    if (reference / "config.json").is_file():
+        from edgespec.export.checkpoint import json_object
+
+        vocab = json_object(reference / "config.json").get("vocab_size")
+        return vocab if isinstance(vocab, int) else None
+    return None
+
+
 def compare(model: tuple[Path, ModelEntry], reference: tuple[Path, ModelEntry],
             chunks: list[list[int]]) -> Quality:
     """The figures of `model` (graph, entry) against `reference` on `chunks`."""
-    if model[1].vocab_size != reference[1].vocab_size:
-        raise EdgespecError(f"the bundle's vocabulary ({model[1].vocab_size} tokens) differs "
-                            f"from the reference's ({reference[1].vocab_size}); compare a "
-                            "bundle with the model it was exported from.")
+    check_vocab(model[1].vocab_size, reference[1].vocab_size)
     return figures(scored_logprobs(*reference, chunks), scored_logprobs(*model, chunks),
                    chunks)
 
@@ -126,6 +147,7 @@ def measure(bundle: Path, reference: Path, text: Path | None = None, ctx: int = 
     if not reference.exists():
         raise EdgespecError(f"the reference {reference} does not exist; pass a bundle, a "
                             "checkpoint directory or a .gguf file.")
+    check_vocab(model[1].vocab_size, declared_vocab(reference))
     from edgespec.export import export
 
     with tempfile.TemporaryDirectory(prefix="edgespec-reference-") as tmp:

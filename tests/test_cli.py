@@ -235,6 +235,12 @@ def test_quality_refuses_bad_input(tmp_path, demo_target):
     demo = str(demo_bundle())
     assert_user_error(run("quality", demo, "--reference", demo, "--ctx", "1024"),
                       "--ctx 1024 is longer than the model's context of 512")
+    # another model's vocabulary is told from its config alone, before any export (which
+    # would stop at this folder's missing weights)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    assert_user_error(run("quality", demo, "--reference", str(tmp_path / "other")),
+                      "vocabulary (4096 tokens) differs from the reference's (1000)")
 
 
 def test_import_is_light():

@@ -138,7 +138,7 @@ class Checkpoint:
         return total
 
 
-def _json_object(path: Path) -> dict[str, Any]:
+def json_object(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -155,11 +155,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
     if not config_path.is_file():
         raise EdgespecError(f"{path} has no config.json; pass a Hugging Face checkpoint "
                             "directory or a Hub id.")
-    config = _json_object(config_path)
+    config = json_object(config_path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            files = sorted(set(_json_object(index)["weight_map"].values()))
+            files = sorted(set(json_object(index)["weight_map"].values()))
         except (KeyError, AttributeError, TypeError):
             raise EdgespecError(f"{index} has no valid weight_map; download the checkpoint "
                                 "again.") from None
