@@ -841,6 +841,18 @@ def test_a_work_directory_serves_only_the_run_it_was_made_for(tiny, tmp_path, mo
             trainer.train_draft(open_source(path, tmp_path / "s6"), tmp_path / "c.npz",
                                 fresh, ["def f(x):"], replace(opts, steps=21))
         damaged.unlink()  # as the sentence says: made again
+    # the head a run starts from counts by its content, not by its path
+    first = replace(opts, init=str(tmp_path / "a.npz"))
+    trainer.train_draft(open_source(path, tmp_path / "s7"), tmp_path / "e.npz",
+                        tmp_path / "wi", ["def f(x):"], first)
+    shutil.copy(tmp_path / "a.npz", tmp_path / "moved.npz")
+    moved = replace(opts, init=str(tmp_path / "moved.npz"))
+    trainer.train_draft(open_source(path, tmp_path / "s8"), tmp_path / "e.npz",
+                        tmp_path / "wi", ["def f(x):"], moved)
+    shutil.copy(tmp_path / "c.npz", tmp_path / "moved.npz")  # another head, the same path
+    with pytest.raises(EdgespecError, match=r"checkpoint made for .* \(init\)"):
+        trainer.train_draft(open_source(path, tmp_path / "s9"), tmp_path / "e.npz",
+                            tmp_path / "wi", ["def f(x):"], moved)
 
 
 def test_answers_are_kept_a_block_at_a_time(tiny, tmp_path, monkeypatch):

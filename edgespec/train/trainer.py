@@ -83,6 +83,14 @@ def _digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 # each part of a work directory: the files it is kept in, and what it depends on (None:
 # all of it): the target and its data (claim_work's digests), and options
 WORK_PARTS = {
@@ -118,7 +126,8 @@ def claim_work(work: Path, data: dict[str, object], opts: TrainOptions) -> None:
                             "pass another --work.")
     else:
         made = {}
-    options = asdict(opts)
+    # the head started from counts by its content (data's "init"), not by where it lies
+    options = {k: v for k, v in asdict(opts).items() if k != "init"}
     for part, (files, reads, keys) in WORK_PARTS.items():
         identity = {**{k: data[k] for k in reads or data},
                     **{k: options[k] for k in keys or options}}
@@ -464,7 +473,8 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     asked = task_requests(opts.seed, opts.tasks, texts or (), opts.task_chars) \
         if opts.tasks else []
     claim_work(work, {"target": _digest(fingerprint(embeddings).round(3).tolist()),
-                      "prompts": _digest(prompts + asked), "text": _digest(texts or [])}, opts)
+                      "prompts": _digest(prompts + asked), "text": _digest(texts or []),
+                      "init": opts.init and _file_digest(Path(opts.init))}, opts)
     target = (FloatTarget(source, opts.device, opts.gen_batch) if opts.reader == "float"
               else ExportedTarget(source, console))
     if opts.synthesize:
