@@ -122,26 +122,50 @@ def test_a_bfloat16_checkpoint_exports_as_transformers_reads_it(tmp_path, demo_t
     assert np.abs(got - ref).max() < TOL * max(1.0, np.abs(ref).max())
 
 
-@pytest.mark.parametrize("name", ["gemma", "qwen2"])
-def test_a_config_as_older_releases_wrote_it_exports_as_transformers_reads_it(tmp_path,
-                                                                            demo_target, name):
-    """Gemma's first releases say `hidden_act: gelu` for the tanh approximation, and some
-    configs name no `architectures`, only a model_type: transformers reads both."""
+# a config.json as some releases wrote it: (architecture, the model's own settings, keys
+# left out of its config.json, keys set there)
+EDITED = {
+    "gemma, legacy gelu": ("gemma", {}, ["architectures", "hidden_activation"],
+                           {"hidden_act": "gelu"}),
+    "qwen2, a model_type only": ("qwen2", {}, ["architectures"], {}),
+    "qwen2, windows from a layer on": ("qwen2", {"use_sliding_window": True,
+                                                 "sliding_window": 5, "max_window_layers": 2},
+                                       ["layer_types"], {}),
+    "gemma2, soft-caps left out": ("gemma2", {}, ["attn_logit_softcapping",
+                                                  "final_logit_softcapping"], {}),
+    "gemma, head size left out": ("gemma", {"head_dim": 256}, ["head_dim"], {}),
+    "qwen3, head size left out": ("qwen3", {"head_dim": 128}, ["head_dim"], {}),
+}
+
+
+def edited_checkpoint(path, demo_target, name: str, settings: dict, drop: list, put: dict):
     import json
 
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1)
-    AutoModelForCausalLM.from_config(configs()[name], dtype=torch.float32).save_pretrained(
-        tmp_path / "ckpt")
+    config = configs()[name]
+    for key, value in settings.items():
+        setattr(config, key, value)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo_target / f, tmp_path / "ckpt" / f)
-    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    del config["architectures"]
-    if name == "gemma":
-        config["hidden_act"] = "gelu"
-        config.pop("hidden_activation", None)
-    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+        shutil.copy(demo_target / f, path / f)
+    saved = json.loads((path / "config.json").read_text())
+    for key in drop:
+        saved.pop(key, None)
+    (path / "config.json").write_text(json.dumps({**saved, **put}))
+
+
+@pytest.mark.parametrize("case", list(EDITED))
+def test_a_config_as_some_releases_wrote_it_exports_as_transformers_reads_it(tmp_path,
+                                                                           demo_target, case):
+    """Gemma's first releases say `hidden_act: gelu` for the tanh approximation; some
+    configs name no `architectures`, only a model_type; Qwen2's older ones slide from
+    `max_window_layers` on, without `layer_types`; and a key left out means transformers'
+    default (Gemma 2's soft-caps 50 and 30, Gemma's head size 256, Qwen3's 128)."""
+    from transformers import AutoModelForCausalLM
+
+    edited_checkpoint(tmp_path / "ckpt", demo_target, *EDITED[case])
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt",
                                                      dtype=torch.float32).eval()
     export(tmp_path / "ckpt", tmp_path / "b", precision="fp32")
@@ -149,6 +173,29 @@ def test_a_config_as_older_releases_wrote_it_exports_as_transformers_reads_it(tm
     ref = torch_logits(reference, ids)
     assert np.abs(session(tmp_path / "b").forward(ids) - ref).max() < \
         TOL * max(1.0, np.abs(ref).max())
+
+
+def test_the_config_defaults_are_transformers_own():
+    import transformers
+
+    from edgespec.export.architectures import CONFIG_DEFAULTS
+
+    for arch, defaults in CONFIG_DEFAULTS.items():
+        name = arch.replace("ForCausalLM", "TextConfig" if arch.startswith("Gemma3") else "Config")
+        config = getattr(transformers, name)()
+        assert {k: getattr(config, k) for k in defaults} == defaults, arch
+
+
+@pytest.mark.parametrize("drop, put, told", [
+    (["hidden_size"], {}, "config.json's hidden_size is missing"),
+    ([], {"rms_norm_eps": None}, "config.json's rms_norm_eps is None, not a positive float"),
+    ([], {"num_hidden_layers": "3"}, "num_hidden_layers is '3', not a positive int")])
+def test_a_config_without_a_size_it_needs_is_refused_in_one_sentence(tmp_path, demo_target,
+                                                                     drop, put, told):
+    edited_checkpoint(tmp_path / "ckpt", demo_target, "qwen2", {}, drop, put)
+    with pytest.raises(EdgespecError, match=told):
+        export(tmp_path / "ckpt", tmp_path / "b", precision="fp32")
+    assert not (tmp_path / "b").exists()
 
 
 def test_rotated_export_computes_the_same_function(checkpoint, tmp_path):

@@ -145,6 +145,13 @@ class LlamaAdapter:
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         c = ckpt.config
+        for key in REQUIRED:
+            value = c.get(key)
+            kind = float if key == "rms_norm_eps" else int
+            if isinstance(value, bool) or not isinstance(value, (kind, int)) or value <= 0:
+                told = "missing" if key not in c else f"{value!r}, not a positive {kind.__name__}"
+                raise EdgespecError(f"{ckpt.path}: config.json's {key} is {told}; correct it or "
+                                    "download the checkpoint again.")
         heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // heads
         self.spec = DecoderSpec(
@@ -152,7 +159,7 @@ class LlamaAdapter:
             hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
             num_layers=c["num_hidden_layers"], num_heads=heads,
             num_kv_heads=c.get("num_key_value_heads") or heads, head_dim=head_dim,
-            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=c["rms_norm_eps"],
             max_positions=c.get("max_position_embeddings", 2048),
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             inv_freq=inverse_frequencies(c, head_dim, ckpt.path),
@@ -201,8 +208,9 @@ class LlamaAdapter:
         n = c["num_hidden_layers"]
         if not window or (types is None and c.get("use_sliding_window") is False):
             return [None] * n
-        if types is None:
-            return [window] * n
+        if types is None:  # Qwen2/3 slide from layer max_window_layers on, others all
+            first = c.get("max_window_layers", 0) if c.get("use_sliding_window") else 0
+            return [window if i >= first else None for i in range(n)]
         return [window if t == "sliding_attention" else None for t in types]
 
     def get(self, name: str) -> np.ndarray:
@@ -364,6 +372,31 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
+# What a config.json may leave out and the adapters read, as transformers' config classes
+# (5.x) default it: an absent key means the class's value (Gemma 2's soft-caps, Gemma's
+# and Qwen3's head size, Mistral's window), not none (tests check it against transformers).
+_COMMON = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+_QWEN = {**_COMMON, "max_position_embeddings": 32768, "use_sliding_window": False,
+         "max_window_layers": 28}
+_GEMMA = {**_COMMON, "tie_word_embeddings": True, "head_dim": 256}
+CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {**_COMMON, "max_position_embeddings": 2048},
+    "MistralForCausalLM": {**_COMMON, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "Qwen2ForCausalLM": _QWEN,
+    "Qwen3ForCausalLM": {**_QWEN, "head_dim": 128},
+    "Phi3ForCausalLM": {**_COMMON, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096},
+    "GemmaForCausalLM": {**_GEMMA, "max_position_embeddings": 8192},
+    "Gemma2ForCausalLM": {**_GEMMA, "max_position_embeddings": 8192, "query_pre_attn_scalar": 256,
+                          "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                          "sliding_window": 4096},
+    "Gemma3ForCausalLM": {**_GEMMA, "max_position_embeddings": 131072,
+                          "query_pre_attn_scalar": 256, "sliding_window": 4096},
+}
+# the sizes every adapter reads, which have no default worth taking (transformers' are a 7B's)
+REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "rms_norm_eps")
+
+
 def adapter_for(ckpt: Checkpoint) -> LlamaAdapter:
     if not ckpt.config.get("architectures"):  # as transformers' AutoModelForCausalLM reads it
         model_type = ckpt.config.get("model_type", "unknown")
@@ -372,6 +405,8 @@ def adapter_for(ckpt: Checkpoint) -> LlamaAdapter:
     if archs[0] not in ADAPTERS:
         raise EdgespecError(f"{ckpt.path}: architecture {archs[0]} is not supported; "
                             f"edgespec exports {', '.join(sorted(ADAPTERS))}.")
+    for key, value in CONFIG_DEFAULTS[archs[0]].items():
+        ckpt.config.setdefault(key, value)
     adapter = ADAPTERS[archs[0]](ckpt)
     if type(ckpt) is Checkpoint:  # a GGUF file's config is read from its own tensors
         adapter.check_shapes()
