@@ -67,12 +67,13 @@ def check_text(text: str) -> None:
 class Tokenizer:
     """Text <-> token ids for one bundle, plus its chat template."""
 
-    def __init__(self, tokenizer_json: Path, config: dict[str, Any]):
+    def __init__(self, tokenizer_json: Path, config: dict[str, Any],
+                 remedy: str = "re-export the bundle"):
         try:
             self._tok = _HFTokenizer.from_file(str(tokenizer_json))
         except Exception as e:  # tokenizers raises plain Exception subclasses
             raise EdgespecError(f"{tokenizer_json} cannot be read as a tokenizer ({e}); "
-                                "re-export the bundle.") from None
+                                f"{remedy}.") from None
         self.config = config
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
@@ -82,21 +83,20 @@ class Tokenizer:
             self.chat_template = named.get("default")
 
     @classmethod
-    def from_dir(cls, path: Path | str) -> Tokenizer:
+    def from_dir(cls, path: Path | str, remedy: str = "re-export the bundle") -> Tokenizer:
+        """A bundle's tokenizer (or, with its `remedy`, a source checkpoint's)."""
         path = Path(path)
         config_path = path / "tokenizer_config.json"
         try:
             config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise EdgespecError(f"{config_path} is not valid JSON ({e}); re-export the "
-                                "bundle.") from None
+            raise EdgespecError(f"{config_path} is not valid JSON ({e}); {remedy}.") from None
         if not isinstance(config, dict):
-            raise EdgespecError(f"{config_path} must hold a JSON object; re-export the "
-                                "bundle.")
+            raise EdgespecError(f"{config_path} must hold a JSON object; {remedy}.")
         template_file = path / "chat_template.jinja"
         if "chat_template" not in config and template_file.is_file():
             config["chat_template"] = template_file.read_text()
-        return cls(path / "tokenizer.json", config)
+        return cls(path / "tokenizer.json", config, remedy)
 
     @property
     def vocab_size(self) -> int:

@@ -208,12 +208,37 @@ def test_a_config_that_does_not_describe_its_weights_is_refused(tmp_path, demo_t
 def test_mismatched_draft_vocabulary_is_refused(tmp_path, demo_target):
     draft = shutil.copytree(demo_target, tmp_path / "draft")
     tok = json.loads((draft / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    first = next(k for k, v in vocab.items() if v == 300)
-    vocab["zzz-not-in-target"] = vocab.pop(first)
+    vocab = tok["model"]["vocab"]  # two tokens' ids swapped: a readable, other tokenizer
+    first, second = (next(k for k, v in vocab.items() if v == i) for i in (300, 301))
+    vocab[first], vocab[second] = 301, 300
     (draft / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(EdgespecError, match="draft's tokenizer differs.*id 300"):
         export(demo_target, tmp_path / "b", draft=draft)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_a_tokenizer_the_model_cannot_take_is_refused_at_export(tmp_path, demo_target,
+                                                                demo_draft, role):
+    """Before, these exported: an unreadable tokenizer into a bundle that could not load
+    (and exported so again), ids past a smaller embedding into ONNX Runtime's Gather error
+    on the first such token."""
+    from tests.conftest import torch_model
+
+    model = torch_model(demo_draft)
+    model.resize_token_embeddings(1000)
+    model.save_pretrained(tmp_path / "small")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo_draft / f, tmp_path / "small" / f)
+    pair = {"target": (tmp_path / "small", None), "draft": (demo_target, tmp_path / "small")}
+    with pytest.raises(EdgespecError, match="small's tokenizer has 4096 tokens but its "
+                                            "embedding only 1000 rows"):
+        export(pair[role][0], tmp_path / "b", draft=pair[role][1], precision="fp32")
+    broken = shutil.copytree(demo_target, tmp_path / "broken")
+    (broken / "tokenizer.json").write_text("garbage")
+    with pytest.raises(EdgespecError, match="cannot be read as a tokenizer .*; fix broken's "
+                                            "tokenizer or download it again"):
+        export(broken, tmp_path / "b", draft=demo_draft if role == "draft" else None)
     assert not (tmp_path / "b").exists()
 
 

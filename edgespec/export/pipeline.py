@@ -71,6 +71,19 @@ def _vocab(path: Path) -> dict[str, int]:
     return vocab
 
 
+def check_tokenizer(src: Source) -> None:
+    """What would otherwise fail only when the bundle runs: a tokenizer that cannot be read
+    (exported as it was, and exported so again), or one making ids past the model's
+    embedding (ONNX Runtime's Gather failed on the first such token of a prompt)."""
+    tokenizer = Tokenizer.from_dir(src.tokenizer_dir,
+                                   remedy=f"fix {src.label}'s tokenizer or download it again")
+    rows = src.config.get("vocab_size")
+    if isinstance(rows, int) and tokenizer.vocab_size > rows:
+        raise EdgespecError(f"{src.label}'s tokenizer has {tokenizer.vocab_size} tokens but its "
+                            f"embedding only {rows} rows (vocab_size), so text could reach ids it "
+                            "has no row for; use the tokenizer the model was trained with.")
+
+
 def check_same_vocab(target: Path, draft: Path) -> None:
     """Speculation compares token ids, so both models must mean the same thing by each id."""
     for p in (target, draft):
@@ -407,6 +420,9 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                                  keep_codes=not requantize)
         draft_src = (open_source(draft, scratch / "draft", trust_remote_code,
                                  keep_codes=not requantize) if draft and not nested else None)
+        for src in (target_src, draft_src):
+            if src:
+                check_tokenizer(src)
         if draft_src:
             check_same_vocab(target_src.tokenizer_dir, draft_src.tokenizer_dir)
         if shipped and not nested:
