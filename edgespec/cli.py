@@ -173,8 +173,8 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
              if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
     gguf_codes = (is_gguf(Path(target)) and not requantize  # rot and BitNest: recoded
                   and quant != "rot" and draft != "nested")
-    if gguf_codes and ep_profile == "dml" and "--precision" not in given:
-        precision = "fp16"  # for its float tensors: DirectML has no 8-bit kernel
+    if ep_profile == "dml" and "--precision" not in given:
+        precision = "fp16"  # not int8: DirectML's MatMulNBits takes no 8-bit codes
     if is_gguf(Path(target)) and draft == "nested":
         err.print(f"note: --draft nested re-quantizes {target}'s weights into int8 4+4 codes "
                   "(BitNest), so they do not keep their GGUF types and the bundle is about "

@@ -170,6 +170,27 @@ def test_export_quant_rot_refuses_what_it_cannot_build(tmp_path, demo_target, fl
     assert not (tmp_path / "b").exists()
 
 
+def test_gpu_profiles_store_fp16_and_say_so(tmp_path, demo_target):
+    """dml takes fp16 by default (it has no 8-bit kernel, int8 being the default elsewhere),
+    and fp32 on cuda or dml, which compute in float16, is stored as fp16 with a note: it
+    was stored so before, but labelled fp32."""
+    dml = run("export", str(demo_target), "--out", str(tmp_path / "d"), "--ep-profile", "dml")
+    assert dml.returncode == 0, dml.stderr
+    cuda = run("export", str(demo_target), "--out", str(tmp_path / "c"), "--ep-profile", "cuda",
+               "--precision", "fp32")
+    assert cuda.returncode == 0, cuda.stderr
+    assert "note: the cuda profile computes in float16, so float weights are stored as fp16" \
+        in cuda.stderr
+    for out in ("d", "c"):
+        manifest = json.loads((tmp_path / out / MANIFEST).read_text())
+        assert manifest["target"]["precision"] == "fp16"
+    fp16 = run("export", str(demo_target), "--out", str(tmp_path / "h"), "--ep-profile",
+               "cuda", "--precision", "fp16")
+    assert fp16.returncode == 0, fp16.stderr
+    assert (tmp_path / "c" / "target.onnx.data").stat().st_size == \
+        (tmp_path / "h" / "target.onnx.data").stat().st_size
+
+
 def test_export_then_generate(tmp_path, demo_target, demo_draft):
     out = run("export", str(demo_target), "--draft", str(demo_draft), "--out",
               str(tmp_path / "b"), "--precision", "int4", "--draft-precision", "int8",

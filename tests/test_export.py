@@ -173,8 +173,12 @@ def test_export_errors(tmp_path, demo_target):
         export("./missing/dir", tmp_path / "b")
     with pytest.raises(EdgespecError, match="'webgpu' is not one of cpu, cuda, dml"):
         export(demo_target, tmp_path / "b", ep_profile="webgpu")
-    with pytest.raises(EdgespecError, match="dml profile supports fp32, fp16 and int4"):
+    with pytest.raises(EdgespecError, match="dml profile supports fp32, fp16 and int4.*"
+                                            "instead of --precision int8, pass"):
         export(demo_target, tmp_path / "b", ep_profile="dml", precision="int8")
+    with pytest.raises(EdgespecError, match="instead of --draft-precision int2, pass"):
+        export(demo_target, tmp_path / "b", ep_profile="dml", precision="fp16",
+               draft=demo_target, draft_precision="int2")
     (tmp_path / "empty").mkdir()
     with pytest.raises(EdgespecError, match="has no config.json"):
         export(tmp_path / "empty", tmp_path / "b")

@@ -364,6 +364,12 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     `summary=False` leaves out the table of written files.
     """
     console = console or Console(stderr=True)
+    if ep_profile in ("cuda", "dml") and "fp32" in (precision, draft_precision):
+        # stored as what the graph computes in, and said so, not labelled fp32
+        console.print(f"note: the {ep_profile} profile computes in float16, so float weights "
+                      "are stored as fp16.", highlight=False)
+        precision, draft_precision = ("fp16" if p == "fp32" else p
+                                      for p in (precision, draft_precision))
     head_precision = draft_precision  # a draft head's own, else the target's
     draft_precision = draft_precision or precision
     for p in (precision, draft_precision):
@@ -375,10 +381,13 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         raise EdgespecError(f"EP profile '{ep_profile}' is not one of "
                             f"{', '.join(PROFILE_DTYPE)}.")
     if ep_profile == "dml" and {precision, draft_precision} & {"int2", "int8"}:
+        wrong = [f"{flag} {p}" for flag, p in (("--precision", precision),
+                                               ("--draft-precision", head_precision))
+                 if p in ("int2", "int8")]
         raise EdgespecError("the dml profile supports fp32, fp16 and int4 weights (DirectML's "
                             "MatMulNBits needs zero points, which 8-bit codes cannot carry, "
-                            "and has no 2-bit kernel); pass --precision int4 or fp16 (and "
-                            "--draft-precision so, where a draft is given).")
+                            f"and has no 2-bit kernel); instead of {' and '.join(wrong)}, "
+                            "pass int4 or fp16.")
     if quant not in ("k", "sym", "asym", "rot"):
         raise EdgespecError(f"quantization '{quant}' is none of k, sym, asym, rot.")
     if quant == "rot" and ({precision, draft_precision} - {"int8", "fp32"}
