@@ -194,9 +194,6 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
 
     def config_for(req: Sampling, prompt_tokens: int, param: str,
                    logprobs: int | None) -> GenerationConfig:
-        if req.model != model_id:
-            raise ApiError(404, f"model '{req.model}' is not served here; this server "
-                           f"serves '{model_id}'.", param="model", code="model_not_found")
         room = engine.context_length - prompt_tokens
         if room < 1:
             raise ApiError(400, f"the prompt is {prompt_tokens} tokens but the model's "
@@ -374,6 +371,11 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                                  headers={"Cache-Control": "no-store"})
 
     def checked(req: ChatRequest | CompletionRequest) -> None:
+        """The model asked for first (a 404 before anything about the request's content),
+        then what this server cannot do."""
+        if req.model != model_id:
+            raise ApiError(404, f"model '{req.model}' is not served here; this server "
+                           f"serves '{model_id}'.", param="model", code="model_not_found")
         try:
             req.unsupported()
         except UnsupportedError as e:

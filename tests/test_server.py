@@ -152,6 +152,10 @@ def post(server, path, body=None, content=None, key=KEY):
      "role"),
     (dict(body={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), 404,
      "gpt-9"),
+    # the model first, whatever else the request asks (it was a 400 about n, or about a
+    # base model's missing chat template)
+    (dict(body={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}], "n": 3}),
+     404, "gpt-9"),
     (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}),
      400, "n=1"),
     (dict(body={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}, key=None),
