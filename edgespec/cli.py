@@ -29,12 +29,32 @@ model_option = click.option(
          "once into the cache; default: the embedded demo bundle).")
 
 
-def open_model(model: str | None, runtime: dict) -> Any:
-    """The engine for what --model names (see edgespec.model_cache)."""
+def open_model(model: str | None, runtime: dict, chat_refused: str | None = None) -> Any:
+    """The engine for what --model names (see edgespec.model_cache). `chat_refused`: the
+    sentence for a model without a chat template, said of a GGUF file before it is
+    exported (Gemma 3 270M's export took a minute, and then it was refused)."""
     from edgespec import load
     from edgespec.model_cache import open_cached
 
-    return open_cached(model, lambda bundle: load(bundle, **runtime), err)
+    def templated(source: Path) -> None:
+        from edgespec.export.source import is_gguf
+
+        if is_gguf(source):
+            from edgespec.export.gguf_reader import field, open_reader
+
+            template = field(open_reader(source), "tokenizer.chat_template")
+        else:
+            from edgespec.tokenizer import Tokenizer
+
+            template = Tokenizer.from_dir(source).chat_template
+        if not template:
+            raise EdgespecError(chat_refused)
+
+    engine = open_cached(model, lambda bundle: load(bundle, **runtime), err,
+                         templated if chat_refused else None)
+    if chat_refused and not engine.tokenizer.chat_template:
+        raise EdgespecError(chat_refused)
+    return engine
 
 
 def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -416,14 +436,13 @@ def generate(prompt: str | None, model: str | None, max_new_tokens: int, tempera
         except UnicodeDecodeError as e:
             raise EdgespecError(f"stdin is not UTF-8 text (byte {e.start}); give the prompt "
                                 "as text.") from None
-    engine = open_model(model, runtime)
+    engine = open_model(model, runtime, chat_refused=f"{NO_TEMPLATE}; leave out --chat to "
+                        "have it continue the prompt." if as_chat else None)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop), mode=mode,
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
                               adaptive=adaptive, stop_rule=stop_rule, logprobs=logprobs)
     config = engine.settings(config)
-    if as_chat and not engine.tokenizer.chat_template:
-        raise EdgespecError(f"{NO_TEMPLATE}; leave out --chat to have it continue the prompt.")
     # a prompt that cannot run is refused before it is echoed
     ids = engine.encode_prompt(engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
                                if as_chat else prompt)
@@ -510,10 +529,8 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
     from edgespec.engine import MODES, GenerationConfig
     from edgespec.tokenizer import NO_TEMPLATE
 
-    engine = open_model(model, runtime)
-    if not engine.tokenizer.chat_template:
-        raise EdgespecError(f"{NO_TEMPLATE}, so it cannot chat; have it continue a text with "
-                            "edgespec generate PROMPT instead.")
+    engine = open_model(model, runtime, chat_refused=f"{NO_TEMPLATE}, so it cannot chat; have "
+                        "it continue a text with edgespec generate PROMPT instead.")
     mode = mode or engine.default_mode
     history: list[dict[str, str]] = []
     settings = {"mode": mode, "temperature": temperature, "statsline": not no_stats}

@@ -102,9 +102,10 @@ def cache_key(content: str, options: dict[str, Any]) -> str:
 
 
 def cached_bundle(source: str | Path, console: Console | None = None,
-                  **options: Any) -> Path:
+                  check: Callable[[Path], None] | None = None, **options: Any) -> Path:
     """The bundle exported from `source` with `options` (edgespec.export.export's),
-    exported now if the cache has none yet."""
+    exported now if the cache has none yet, once `check(source path)` lets it (what the
+    caller would refuse the bundle for, told before a minute of export, not after)."""
     from edgespec.export.source import check_gguf_magic, is_gguf
 
     path = Path(source).expanduser()
@@ -123,6 +124,12 @@ def cached_bundle(source: str | Path, console: Console | None = None,
     out = cache_dir() / "bundles" / f"{path.stem}-{cache_key(content, options)}"
     if (out / MANIFEST).is_file():
         return out
+    if is_gguf(path):  # a truncated file is told alone, not after "exporting ... once"
+        from edgespec.export.gguf_reader import open_reader
+
+        open_reader(path)
+    if check is not None:
+        check(path)
     from edgespec.export import export
 
     try:
@@ -144,11 +151,12 @@ def cached_bundle(source: str | Path, console: Console | None = None,
 
 
 def open_cached(model: str | Path | None, opener: Callable[[Path | None], T],
-                console: Console | None = None) -> T:
+                console: Console | None = None,
+                check: Callable[[Path], None] | None = None) -> T:
     """`opener(bundle)` for the bundle `model` names (resolve_model); a cached export found
     damaged (a file truncated or changed since) is deleted and exported again, once: the
     cache is edgespec's own, and its user has no --overwrite to mend it with."""
-    bundle = resolve_model(model, console)
+    bundle = resolve_model(model, console, check)
     try:
         return opener(bundle)
     except DamagedBundleError:
@@ -160,11 +168,13 @@ def open_cached(model: str | Path | None, opener: Callable[[Path | None], T],
             f"[dim]the cached export {bundle} is damaged (a file is missing or has changed); "
             "exporting it again[/dim]", highlight=False)
         shutil.rmtree(bundle)
-        return opener(resolve_model(model, console))
+        return opener(resolve_model(model, console, check))
 
 
-def resolve_model(model: str | Path | None, console: Console | None = None) -> Path | None:
-    """A bundle directory for `--model` (None: the embedded demo bundle)."""
+def resolve_model(model: str | Path | None, console: Console | None = None,
+                  check: Callable[[Path], None] | None = None) -> Path | None:
+    """A bundle directory for `--model` (None: the embedded demo bundle); `check` as
+    cached_bundle's."""
     if model is None:
         return None
     path = Path(model).expanduser()
@@ -179,4 +189,4 @@ def resolve_model(model: str | Path | None, console: Console | None = None) -> P
     if not path.exists() and not looks_like_hub_id(str(model)):
         raise EdgespecError(f"{model} does not exist; pass a bundle directory, a .gguf file, "
                             "a checkpoint directory or a Hub id like 'Qwen/Qwen2.5-0.5B'.")
-    return cached_bundle(model, console)
+    return cached_bundle(model, console, check)

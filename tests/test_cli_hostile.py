@@ -345,6 +345,19 @@ def test_a_base_model_is_refused_by_chat_and_chat_prompts(base_model):
     assert plain.returncode == 0 and plain.stdout.startswith("def main("), plain.stderr
 
 
+def test_a_base_gguf_file_is_refused_by_chat_before_it_is_exported(tmp_path):
+    """Gemma 3 270M's file has no chat template: said at once, with nothing exported into
+    the cache (the export took a minute before the refusal)."""
+    from tests.real_models import gemma_gguf
+
+    env = {"EDGESPEC_CACHE": str(tmp_path / "cache")}
+    assert_user_error(run("chat", "--model", str(gemma_gguf()), stdin="Hi\n", env=env),
+                      "no chat template", "edgespec generate PROMPT")
+    assert_user_error(run("generate", "Hi", "--chat", "--model", str(gemma_gguf()), env=env),
+                      "no chat template", "leave out --chat")
+    assert not (tmp_path / "cache" / "bundles").exists()  # the file's hash memo at most
+
+
 def test_the_server_sends_a_base_models_chats_to_completions(base_model):
     import edgespec
     from edgespec.server import create_app

@@ -10,6 +10,7 @@ encoding (edgespec.quant.gguf_codes), `get()` their float values.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -175,11 +176,11 @@ class GGUFCheckpoint(Checkpoint):
 
 def load_gguf(path: Path, keep_codes: bool = True) -> GGUFCheckpoint:
     """Read a GGUF file into a checkpoint; unsupported types are refused by name."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
     from edgespec.quant.gguf_codes import ENCODINGS
 
-    reader = open_reader(path, GGUFReader)
+    reader = open_reader(path)
     arch, config = read_metadata(reader, path)
     tensors: dict[str, np.ndarray] = {}
     quantized: dict[str, tuple[np.ndarray, Any]] = {}
@@ -216,13 +217,29 @@ def load_gguf(path: Path, keep_codes: bool = True) -> GGUFCheckpoint:
                           norms_shifted=arch.startswith("gemma"), rope_factors=rope_factors)
 
 
-def open_reader(path: Path, reader_class: Any = None) -> Any:
-    """gguf-py's reader, with a truncated or foreign file refused in one sentence."""
-    if reader_class is None:
-        from gguf import GGUFReader as reader_class
+def open_reader(path: Path) -> Any:
+    """gguf-py's reader, with a truncated or foreign file refused in one sentence.
+
+    Reading a file's tables takes seconds where the vocabulary is large (Gemma 3's 262,144
+    tokens: 8 s), and an export reads them for its checks, the tokenizer and the tensors:
+    the last two files' readers are kept while the files are unchanged, until
+    forget_readers()."""
     check_gguf_magic(path)
+    st = path.stat()
     try:
-        return reader_class(path)
+        return _parsed(str(path.resolve()), st.st_size, st.st_mtime_ns)
     except (ValueError, IndexError, OSError, KeyError, UnicodeDecodeError):
         raise EdgespecError(f"{path} is a damaged or truncated GGUF file (gguf-py cannot "
                             "read its tensor table); download it again.") from None
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, size: int, mtime_ns: int) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def forget_readers() -> None:
+    """Let the kept readers go (and their maps of the files), once an export is done."""
+    _parsed.cache_clear()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
 import platform
 import shutil
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import NamedTuple
@@ -319,6 +321,17 @@ def _vocab_to_keep(tmp: Path, target_dir: Path, target: ModelEntry, eos_ids: lis
         raise EdgespecError(f"--vocab-trim: {e}; choose a larger K.") from None
 
 
+@contextlib.contextmanager
+def _readers_forgotten() -> Iterator[None]:
+    """The GGUF readers an export kept (gguf_reader.open_reader) go with it."""
+    try:
+        yield
+    finally:
+        from edgespec.export.gguf_reader import forget_readers
+
+        forget_readers()
+
+
 def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
            precision: str = "int8", draft_precision: str | None = None, block_size: int = 32,
            ep_profile: str = "cpu", accuracy_level: int = 4, quant: str = "k",
@@ -424,7 +437,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     if kv_cache == "int8" and ep_profile == "dml":
         raise EdgespecError("an int8 KV cache needs GroupQueryAttention: use the cpu or cuda "
                             "profile.")
-    with source_scratch() as scratch:
+    with source_scratch() as scratch, _readers_forgotten():
         target_src = open_source(target, scratch / "target", trust_remote_code,
                                  keep_codes=not requantize)
         draft_src = (open_source(draft, scratch / "draft", trust_remote_code,
