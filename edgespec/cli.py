@@ -217,7 +217,8 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     run_export(target, out, draft=draft, precision=precision,
                draft_precision=draft_precision, block_size=int(block_size),
                ep_profile=ep_profile, accuracy_level=int(accuracy_level),
-               quant=quant, calibration=None if calibration == "none" else calibration,
+               quant=quant,  # a GGUF file's codes are kept: the note above, and no check
+               calibration=None if calibration == "none" or gguf_codes else calibration,
                vocab_trim=vocab_trim, trim_source=trim_source,
                kv_cache=kv_cache, overwrite=overwrite, requantize=requantize,
                trust_remote_code=trust_remote_code, console=err)

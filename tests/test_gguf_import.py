@@ -373,7 +373,8 @@ def test_a_tiny_well_formed_file_exports_and_runs(tmp_path):
     assert edgespec.load(out).generate([5, 6, 7], max_new_tokens=3, mode="ar").token_ids
     # options for weights the file keeps in its own codes say how little they reach
     noted = cli("export", str(tmp_path / "tiny.gguf"), "--out", str(tmp_path / "c"),
-                "--quant", "sym", "--block-size", "64", "--calibration", "none")
+                "--quant", "sym", "--block-size", "64", "--calibration",
+                str(tmp_path / "no such text"))  # unused, so not read (it was refused)
     assert noted.returncode == 0, noted.stderr
     assert "--quant and --block-size apply to its float tensors only; --calibration is not " \
         "used" in " ".join(noted.stderr.split())
