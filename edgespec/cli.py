@@ -705,10 +705,15 @@ def bench(model: str | None, runtime: dict, as_json: bool, prompt_set: str,
     engine = open_model(model, runtime)
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("benchmarking", total=None)
+
+        def advance(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
+            if not err.is_terminal:  # no bar to draw (a log, a pipe): a line a prompt
+                err.print(f"benchmarking: {done} of {total} prompt runs done", highlight=False)
+
         report = run_bench(engine, prompts, max_new_tokens,
                            temperatures or DEFAULT_TEMPERATURES, rounds, modes,
-                           progress=lambda done, total: progress.update(
-                               task, completed=done, total=total), gammas=gammas)
+                           progress=advance, gammas=gammas)
     report.update(model=model or "demo", prompt_set=prompt_set,
                   threads=runtime["threads"] or CORES)
     if as_json:

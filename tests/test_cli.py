@@ -294,6 +294,9 @@ def test_bench_json_runs_every_mode_losslessly():
         assert rows[-1]["new_tokens"] == sum(r["new_tokens"] for r in rows[:-1])
     spec = next(r for r in greedy if r["mode"] == "chain γ=4" and r["category"] == "all")
     assert spec["tokens_per_target_pass"] > 1
+    # stderr is a pipe here, where no bar is drawn: a line a prompt run says how far it is
+    runs = 2 * len({r["category"] for r in report["rows"]} - {"all"})
+    assert f"benchmarking: {runs} of {runs} prompt runs done" in out.stderr
 
 
 
