@@ -135,6 +135,9 @@ EDITED = {
                                                   "final_logit_softcapping"], {}),
     "gemma, head size left out": ("gemma", {"head_dim": 256}, ["head_dim"], {}),
     "qwen3, head size left out": ("qwen3", {"head_dim": 128}, ["head_dim"], {}),
+    # transformers 5 keeps a stored head that differs from the embedding (and warns)
+    "llama, tied in its config but a head of its own": ("llama", {}, [],
+                                                        {"tie_word_embeddings": True}),
 }
 
 

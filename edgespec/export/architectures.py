@@ -164,6 +164,11 @@ class LlamaAdapter:
             tie_embeddings=bool(c.get("tie_word_embeddings", False)),
             inv_freq=inverse_frequencies(c, head_dim, ckpt.path),
             sliding_window=self.sliding_windows(c))
+        if self.spec.tie_embeddings and type(ckpt) is Checkpoint and \
+                ckpt.has("lm_head.weight") and not np.array_equal(
+                    ckpt.tensors["lm_head.weight"], ckpt.tensors["model.embed_tokens.weight"]):
+            # a head of its own stored beside a "tied" config: transformers 5 keeps it
+            self.spec.tie_embeddings = False
         if ckpt.rope_factors is not None:  # a GGUF's precomputed Llama 3 RoPE divisors
             self.spec.inv_freq = self.spec.inv_freq / ckpt.rope_factors
         act = self.activation(c)
