@@ -703,7 +703,7 @@ def bench(model: str | None, runtime: dict, as_json: bool, prompt_set: str,
         prompt_set = "demo" if model is None else "real"
     prompts = select(load_set(prompt_set), categories, limit)
     engine = open_model(model, runtime)
-    with Progress(console=err, transient=True) as progress:
+    with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task("benchmarking", total=None)
 
         def advance(done: int, total: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -73,7 +74,7 @@ def test_doctor():
 def assert_user_error(out: subprocess.CompletedProcess, *fragments: str) -> None:
     assert out.returncode == 1
     assert "Traceback" not in out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    lines = out.stderr.splitlines()  # one line, no blank one a progress bar left behind
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
     for fragment in fragments:
         assert fragment in lines[0]
@@ -242,6 +243,20 @@ def test_export_k_recipe_then_quality(tmp_path, demo_target):
     short.write_text("def f(): pass\n")
     assert_user_error(run("quality", str(tmp_path / "b"), "--reference", str(demo_target),
                           "--text", str(short)), "fewer than one chunk")
+
+
+def test_an_export_that_fails_midway_says_one_line(tmp_path, demo_target):
+    """A checkpoint without one of its tensors fails while the progress bar is up: its
+    sentence alone, without the blank line the bar left in a log."""
+    from safetensors.numpy import load_file, save_file
+
+    ckpt = shutil.copytree(demo_target, tmp_path / "ckpt")
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, ckpt / "model.safetensors")
+    assert_user_error(run("export", str(ckpt), "--out", str(tmp_path / "b")),
+                      "no tensor 'model.layers.1.mlp.down_proj.weight'")
+    assert not (tmp_path / "b").exists()
 
 
 def test_quality_refuses_bad_input(tmp_path, demo_target):

@@ -480,8 +480,9 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
     else:
         kv_half = kv_cache == "float16"
     try:
-        with write_bundle(out, overwrite) as (tmp, finish), Progress(
-                *columns, console=console, transient=True) as progress:
+        with write_bundle(out, overwrite) as (tmp, finish), Progress(  # no bar, no line
+                *columns, console=console, transient=True,  # left in a log
+                disable=not console.is_terminal) as progress:
             reference = hessians = None
             recipe = floats and uses_recipe(quant, precision, ep_profile, nested)
             if recipe or quant == "rot" and precision != "fp32":
