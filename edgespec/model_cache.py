@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 
-from edgespec.bundle import FORMAT_VERSION, MANIFEST
+from edgespec.bundle import FORMAT_VERSION, MANIFEST, sha256
 from edgespec.errors import DamagedBundleError, EdgespecError, WriteError
 
 T = TypeVar("T")
@@ -47,11 +47,7 @@ def _file_hash(path: Path, memo: dict[str, Any]) -> str:
     seen = memo.get(key)
     if seen and seen["size"] == st.st_size and seen["mtime_ns"] == st.st_mtime_ns:
         return seen["sha256"]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    memo[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": h.hexdigest()}
+    memo[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256(path)}
     return memo[key]["sha256"]
 
 

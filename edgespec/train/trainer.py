@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from edgespec.bundle import sha256
 from edgespec.errors import EdgespecError
 from edgespec.export.architectures import adapter_for
 from edgespec.export.draft_head import DraftHead, HeadConfig, check_fits, fingerprint, load_head
@@ -81,14 +82,6 @@ class TrainOptions:
 
 def _digest(value: object) -> str:
     return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode()).hexdigest()[:16]
-
-
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()[:16]
 
 
 # each part of a work directory: the files it is kept in, and what it depends on (None:
@@ -474,7 +467,7 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
         if opts.tasks else []
     claim_work(work, {"target": _digest(fingerprint(embeddings).round(3).tolist()),
                       "prompts": _digest(prompts + asked), "text": _digest(texts or []),
-                      "init": opts.init and _file_digest(Path(opts.init))}, opts)
+                      "init": opts.init and sha256(Path(opts.init))[:16]}, opts)
     target = (FloatTarget(source, opts.device, opts.gen_batch) if opts.reader == "float"
               else ExportedTarget(source, console))
     if opts.synthesize:
