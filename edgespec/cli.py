@@ -761,12 +761,17 @@ def main() -> None:
     The process is edgespec's own, so its sessions share one thread pool (runtimes.pool)."""
     pool.share_threads()
     try:
-        code = cli.main(standalone_mode=False)
+        code = cli.main(prog_name="edgespec", standalone_mode=False)
         if isinstance(code, int) and code:
             sys.exit(code)
     except click.exceptions.Abort:
         err.print("aborted.")
         sys.exit(130)
+    except click.UsageError as e:  # click's own is three lines: usage, a hint, the error
+        where = e.ctx.command_path if e.ctx else "edgespec"
+        err.print(f"[red]error:[/red] {escape(e.format_message().rstrip('.'))} "
+                  f"(see '{where} --help').")
+        sys.exit(e.exit_code)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)

@@ -54,6 +54,17 @@ def test_help(command):
     assert out.returncode == 0 and "Usage:" in out.stdout
 
 
+@pytest.mark.parametrize("args, fragments", [
+    (["export", "--precision", "int3", "x"], ["'int3' is not one of", "'edgespec export --help'"]),
+    (["generate", "--tempreature", "1", "x"], ["Did you mean '--temperature'",
+                                               "'edgespec generate --help'"]),
+    (["nope"], ["No such command 'nope'", "'edgespec --help'"]),
+    (["export"], ["Missing argument 'TARGET'"]),
+])
+def test_usage_errors_are_one_line(args, fragments):
+    assert_user_error(run(*args), *fragments, code=2)
+
+
 def test_doctor_reads_edgespec_kernels_and_refuses_a_value_it_does_not_know():
     from edgespec import kernels
 
@@ -71,8 +82,8 @@ def test_doctor():
     assert "demo bundle" in out.stdout and "ok" in out.stdout
 
 
-def assert_user_error(out: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert out.returncode == 1
+def assert_user_error(out: subprocess.CompletedProcess, *fragments: str, code: int = 1) -> None:
+    assert out.returncode == code
     assert "Traceback" not in out.stderr
     lines = out.stderr.splitlines()  # one line, no blank one a progress bar left behind
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
