@@ -61,6 +61,7 @@ class ApiError(Exception):
 
 
 # a generation the engine's close() (serve's shutdown) cut short or never began
+COMPLETION_DEFAULT_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
 SHUTTING_DOWN = "the server is shutting down, so this answer was cut short; send it again later."
 
 
@@ -199,7 +200,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
             raise ApiError(400, f"the prompt is {prompt_tokens} tokens but the model's "
                            f"context holds {engine.context_length}.", param=param,
                            code="context_length_exceeded")
-        wanted = req.max_completion_tokens or req.max_tokens or room
+        # OpenAI's legacy completions (and vLLM's) stop at 16 tokens unless told; a chat
+        # answer runs to its end, or the context's
+        default = room if isinstance(req, ChatRequest) else COMPLETION_DEFAULT_TOKENS
+        wanted = req.max_completion_tokens or req.max_tokens or default
         config = GenerationConfig(
             max_new_tokens=min(wanted, room),
             temperature=1.0 if req.temperature is None else req.temperature,

@@ -101,6 +101,15 @@ def test_completion_with_stop_and_seed(client):
     assert a == b
 
 
+def test_a_completion_without_max_tokens_stops_at_16_as_openais(client):
+    r = client.completions.create(model=MODEL, prompt="def quicksort(items):", temperature=0)
+    longer = client.completions.create(model=MODEL, prompt="def quicksort(items):",
+                                       temperature=0, max_tokens=40)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    assert longer.usage.completion_tokens > 16
+    assert longer.choices[0].text.startswith(r.choices[0].text)
+
+
 def test_top_k_reaches_the_sampler_and_other_servers_extras_are_refused(client, engine):
     """top_k, which vLLM and llama.cpp's server take beyond OpenAI's fields, samples from
     the k best tokens: k = 1 at a high temperature is the greedy answer, for any seed.
@@ -210,7 +219,7 @@ def test_disconnect_mid_stream_cancels_and_server_keeps_serving(server, client):
 
     before = health()["cancelled"]
     body = {"model": MODEL, "prompt": "def main(", "temperature": 0, "stream": True,
-            "mode": "ar"}  # no max_tokens: run to the end of the context
+            "mode": "ar", "max_tokens": 1 << 20}  # cut to the context's room: a long run
     with httpx.stream("POST", f"{server}/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as r:
         for line in r.iter_lines():
