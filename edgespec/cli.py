@@ -54,6 +54,11 @@ def open_model(model: str | None, runtime: dict, chat_refused: str | None = None
                          templated if chat_refused else None)
     if chat_refused and not engine.tokenizer.chat_template:
         raise EdgespecError(chat_refused)
+    if engine.draft is not None and not engine.exact:  # else its draft idles unexplained
+        err.print(f"[yellow]note:[/yellow] this bundle was exported for the "
+                  f"{engine.manifest.ep_profile} profile and runs on the CPU here, where only "
+                  "--mode ar is exact, so its draft is not used; re-export it with "
+                  "--ep-profile cpu to speculate on the CPU.")
     return engine
 
 

@@ -182,14 +182,15 @@ def test_export_quant_rot_refuses_what_it_cannot_build(tmp_path, demo_target, fl
     assert not (tmp_path / "b").exists()
 
 
-def test_gpu_profiles_store_fp16_and_say_so(tmp_path, demo_target):
+def test_gpu_profiles_store_fp16_and_say_so(tmp_path, demo_target, demo_draft):
     """dml takes fp16 by default (it has no 8-bit kernel, int8 being the default elsewhere),
     and fp32 on cuda or dml, which compute in float16, is stored as fp16 with a note: it
-    was stored so before, but labelled fp32."""
+    was stored so before, but labelled fp32. Run on the CPU, such a bundle decodes AR only
+    (its passes are not exact there), and says so rather than leave its draft idle unseen."""
     dml = run("export", str(demo_target), "--out", str(tmp_path / "d"), "--ep-profile", "dml")
     assert dml.returncode == 0, dml.stderr
     cuda = run("export", str(demo_target), "--out", str(tmp_path / "c"), "--ep-profile", "cuda",
-               "--precision", "fp32")
+               "--precision", "fp32", "--draft", str(demo_draft))
     assert cuda.returncode == 0, cuda.stderr
     assert "note: the cuda profile computes in float16, so float weights are stored as fp16" \
         in cuda.stderr
@@ -201,6 +202,10 @@ def test_gpu_profiles_store_fp16_and_say_so(tmp_path, demo_target):
     assert fp16.returncode == 0, fp16.stderr
     assert (tmp_path / "c" / "target.onnx.data").stat().st_size == \
         (tmp_path / "h" / "target.onnx.data").stat().st_size
+    gen = run("generate", "def f(x):", "--model", str(tmp_path / "c"), "--max-new-tokens", "4")
+    assert gen.returncode == 0, gen.stderr
+    assert "exported for the cuda profile and runs on the CPU here" in gen.stderr
+    assert "[ar, cpu]" in gen.stderr
 
 
 def test_export_then_generate(tmp_path, demo_target, demo_draft):
