@@ -304,3 +304,21 @@ def test_int4_export_runs_and_stays_close(checkpoint, tmp_path):
     # random weights are the worst case for 4 bits; this checks wiring, not quality
     corr = np.corrcoef(got.ravel(), ref.ravel())[0, 1]
     assert corr > 0.9
+
+
+def test_an_untied_config_without_a_head_is_refused(tmp_path, demo_target):
+    """A config that unties the embeddings from a checkpoint that stores no head: transformers
+    loads it with a freshly initialized head (its logits are noise), so the export refuses
+    it rather than score with the embedding, which the config says is not the head."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    edited_checkpoint(tmp_path / "ckpt", demo_target, "qwen2", {"tie_word_embeddings": True},
+                      [], {"tie_word_embeddings": False})
+    with safe_open(tmp_path / "ckpt" / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    assert not torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)
+    with pytest.raises(EdgespecError, match="has no lm_head.weight"):
+        export(tmp_path / "ckpt", tmp_path / "b", precision="fp32")
+    assert not (tmp_path / "b").exists()

@@ -169,6 +169,13 @@ class LlamaAdapter:
                     ckpt.tensors["lm_head.weight"], ckpt.tensors["model.embed_tokens.weight"]):
             # a head of its own stored beside a "tied" config: transformers 5 keeps it
             self.spec.tie_embeddings = False
+        if not self.spec.tie_embeddings and type(ckpt) is Checkpoint and \
+                not ckpt.has("lm_head.weight"):
+            raise EdgespecError(
+                f"{ckpt.path}: config.json has untied embeddings (tie_word_embeddings false "
+                "or left out) but the checkpoint has no lm_head.weight, so transformers would "
+                "score with a random head: add the head's weights, or set "
+                "tie_word_embeddings to true if the embeddings are the head.")
         if ckpt.rope_factors is not None:  # a GGUF's precomputed Llama 3 RoPE divisors
             self.spec.inv_freq = self.spec.inv_freq / ckpt.rope_factors
         act = self.activation(c)
