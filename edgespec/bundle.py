@@ -290,10 +290,14 @@ def write_bundle(out: Path | str, overwrite: bool = False) -> Iterator[tuple[Pat
 
 @contextmanager
 def _write_bundle(out: Path, overwrite: bool) -> Iterator[tuple[Path, Callable]]:
-    # an empty folder made for it is taken, unless the shell stands in it (--out .)
-    empty = out.is_dir() and not any(out.iterdir()) and \
-        not Path.cwd().is_relative_to(out.resolve())
-    if out.exists() and not empty:
+    if out.is_symlink() and out.exists():  # the bundle behind the link is what is replaced
+        out = out.resolve()
+    if Path.cwd().is_relative_to(out.resolve()):  # a folder the shell stands in stays
+        raise EdgespecError(f"{out} is the current directory (or holds it), which an export "
+                            "cannot replace; choose another --out, such as ../NAME.")
+    empty = out.is_dir() and not any(out.iterdir())  # a folder made for it is taken
+    existed = out.exists() and not empty
+    if existed:
         _replaceable(out)  # refused outright unless it is a bundle
         if not overwrite:
             raise EdgespecError(f"{out} already holds a bundle; pass --overwrite to replace "
@@ -328,6 +332,10 @@ def _write_bundle(out: Path, overwrite: bool) -> Iterator[tuple[Path, Callable]]
             out.rmdir()  # fails, deleting nothing, if files came into it meanwhile
             tmp.rename(out)
         elif out.exists():
+            if not existed:  # another export finished first: its bundle is not ours to take
+                raise EdgespecError(f"{out} was written by another export meanwhile; nothing "
+                                    "of this one was left behind, pass --overwrite to replace "
+                                    "it or choose another --out.")
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
             tmp.rename(out)

@@ -160,7 +160,7 @@ def test_an_empty_folder_is_taken_unless_the_shell_stands_in_it(tmp_path, monkey
     assert read_manifest(tmp_path / "made").target.params == 1234
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
-    with pytest.raises(EdgespecError, match="not an edgespec bundle"):
+    with pytest.raises(EdgespecError, match="is the current directory"):
         make_bundle(Path("."))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "made"]
     assert list((tmp_path / "here").iterdir()) == []
@@ -176,15 +176,49 @@ def test_an_empty_folder_is_taken_unless_the_shell_stands_in_it(tmp_path, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "late", "made"]
 
 
+def draftless(tmp: Path, finish) -> None:
+    (tmp / "target.onnx").write_bytes(b"new")
+    (tmp / "tokenizer.json").write_bytes(b"{}")
+    finish(Manifest(target=entry(data_files=[]), draft=None, ep_profile="cpu",
+                    tokenizer_files=["tokenizer.json"], eos_token_ids=[0], bos_token_id=None))
+
+
+def overwrite_with_a_draftless_bundle(out: Path) -> None:
+    with write_bundle(out, overwrite=True) as (tmp, finish):
+        draftless(tmp, finish)
+
+
 def test_existing_output_needs_overwrite(tmp_path):
     make_bundle(tmp_path / "b")
     with pytest.raises(EdgespecError, match="already holds a bundle; pass --overwrite"):
         make_bundle(tmp_path / "b")
-    with write_bundle(tmp_path / "b", overwrite=True) as (tmp, finish):
-        (tmp / "target.onnx").write_bytes(b"new")
-        (tmp / "tokenizer.json").write_bytes(b"{}")
-        finish(Manifest(target=entry(data_files=[]), draft=None, ep_profile="cpu",
-                        tokenizer_files=["tokenizer.json"], eos_token_ids=[0],
-                        bos_token_id=None))
+    overwrite_with_a_draftless_bundle(tmp_path / "b")
     assert read_manifest(tmp_path / "b").draft is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_overwrite_through_a_symlink_replaces_the_bundle_behind_it(tmp_path):
+    """It replaced the link itself, said it had failed and left `.link.old-PID` behind."""
+    make_bundle(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    overwrite_with_a_draftless_bundle(tmp_path / "link")
+    assert (tmp_path / "link").is_symlink() and read_manifest(tmp_path / "real").draft is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_a_bundle_another_export_wrote_meanwhile_is_not_replaced(tmp_path):
+    with pytest.raises(EdgespecError, match="was written by another export meanwhile"), \
+            write_bundle(tmp_path / "b") as (tmp, finish):
+        make_bundle(tmp_path / "b")  # the other export, done first
+        draftless(tmp, finish)
+    assert read_manifest(tmp_path / "b").draft is not None  # the other's, kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+
+
+def test_the_current_directory_is_refused_before_any_work(tmp_path, monkeypatch):
+    make_bundle(tmp_path / "b")
+    monkeypatch.chdir(tmp_path / "b")
+    with pytest.raises(EdgespecError, match="is the current directory"), \
+            write_bundle(Path("."), overwrite=True):
+        raise AssertionError("the export ran")
+    assert read_manifest(tmp_path / "b").draft is not None
