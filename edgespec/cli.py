@@ -29,10 +29,13 @@ model_option = click.option(
          "once into the cache; default: the embedded demo bundle).")
 
 
-def open_model(model: str | None, runtime: dict, chat_refused: str | None = None) -> Any:
+def open_model(model: str | None, runtime: dict, chat_refused: str | None = None,
+               default_mode: bool = True) -> Any:
     """The engine for what --model names (see edgespec.model_cache). `chat_refused`: the
     sentence for a model without a chat template, said of a GGUF file before it is
-    exported (Gemma 3 270M's export took a minute, and then it was refused)."""
+    exported (Gemma 3 270M's export took a minute, and then it was refused).
+    `default_mode`: the command decodes in the engine's default mode (no --mode), so a
+    default that leaves the bundle's draft idle is worth a note."""
     from edgespec import load
     from edgespec.model_cache import open_cached
 
@@ -54,7 +57,7 @@ def open_model(model: str | None, runtime: dict, chat_refused: str | None = None
                          templated if chat_refused else None)
     if chat_refused and not engine.tokenizer.chat_template:
         raise EdgespecError(chat_refused)
-    if engine.draft is not None and not engine.exact:  # else its draft idles unexplained
+    if default_mode and engine.draft is not None and not engine.exact:
         err.print(f"[yellow]note:[/yellow] this bundle was exported for the "
                   f"{engine.manifest.ep_profile} profile and runs on the CPU here, where only "
                   "--mode ar is exact, so its draft is not used; re-export it with "
@@ -116,9 +119,15 @@ mode_option = click.option("--mode", type=click.Choice(["ar", "spec", "lookup"])
                                 "lookup: prompt-lookup drafting.")
 
 
+def _counted(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _stats_line(stats: dict) -> str:
-    line = (f"{stats['new_tokens']} tokens, {stats['tokens_per_second']:.1f} tok/s, "
-            f"{stats['target_passes']} target passes, "
+    n = stats["new_tokens"]
+    speed = f"{stats['tokens_per_second']:.1f} tok/s, " if n > 1 else ""  # none from one
+    passes = _counted(stats["target_passes"], "target pass", "target passes")
+    line = (f"{_counted(n, 'token', 'tokens')}, {speed}{passes}, "
             f"{stats['tokens_per_target_pass']:.2f} tokens/pass")
     if stats["mode"] != "ar":
         line += f", acceptance {stats['acceptance_rate']:.0%}"
@@ -443,7 +452,8 @@ def generate(prompt: str | None, model: str | None, max_new_tokens: int, tempera
             raise EdgespecError(f"stdin is not UTF-8 text (byte {e.start}); give the prompt "
                                 "as text.") from None
     engine = open_model(model, runtime, chat_refused=f"{NO_TEMPLATE}; leave out --chat to "
-                        "have it continue the prompt." if as_chat else None)
+                        "have it continue the prompt." if as_chat else None,
+                        default_mode=mode is None)
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, top_k=top_k, seed=seed, stop=list(stop), mode=mode,
                               draft_tokens=draft_tokens, tree_budget=tree_budget,
@@ -492,9 +502,11 @@ def _read_line(prompt: str) -> str | None:
             except ImportError:
                 pass
             try:
-                return input(prompt)
+                line = input(prompt)
             except EOFError:
                 return None
+            # undecodable bytes came as lone surrogates: the line's own bytes tell which
+            return line.encode("utf-8", "surrogateescape").decode("utf-8")
         click.echo(prompt, nl=False)
         sys.stdout.flush()
         if terminal:
@@ -536,7 +548,8 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
     from edgespec.tokenizer import NO_TEMPLATE
 
     engine = open_model(model, runtime, chat_refused=f"{NO_TEMPLATE}, so it cannot chat; have "
-                        "it continue a text with edgespec generate PROMPT instead.")
+                        "it continue a text with edgespec generate PROMPT instead.",
+                        default_mode=mode is None)
     mode = mode or engine.default_mode
     history: list[dict[str, str]] = []
     settings = {"mode": mode, "temperature": temperature, "statsline": not no_stats}
@@ -552,6 +565,7 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
             click.echo()
             return
         command, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
         if command in ("/exit", "/quit"):
             return
         if command == "/reset":
@@ -608,7 +622,8 @@ def chat(model: str | None, runtime: dict, mode: str, temperature: float,
                 sys.stdout.flush()
         except EdgespecError as e:  # e.g. the conversation outgrew the context
             history.pop()
-            err.print(f"[red]error:[/red] {escape(str(e))} (/reset starts over)")
+            hint = " (/reset starts over)" if history else ""  # nothing to start over
+            err.print(f"[red]error:[/red] {escape(str(e))}{hint}")
             continue
         finally:
             signal.signal(signal.SIGINT, previous)
@@ -707,7 +722,7 @@ def bench(model: str | None, runtime: dict, as_json: bool, prompt_set: str,
     if prompt_set == "auto":
         prompt_set = "demo" if model is None else "real"
     prompts = select(load_set(prompt_set), categories, limit)
-    engine = open_model(model, runtime)
+    engine = open_model(model, runtime, default_mode=False)  # its modes are named
     with Progress(console=err, transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task("benchmarking", total=None)
 

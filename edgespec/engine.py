@@ -25,7 +25,7 @@ from edgespec.errors import EdgespecError
 from edgespec.model_cache import open_cached
 from edgespec.runtimes import DecoderSession, pool, resolve_providers
 from edgespec.runtimes.decoder import SharedKVCache, release_freed_heap
-from edgespec.runtimes.providers import PROVIDER
+from edgespec.runtimes.providers import PROVIDER, check_providers
 from edgespec.spec import (
     GenerationStats,
     HeadDrafter,
@@ -104,6 +104,8 @@ class GenerationConfig:
             self.stop = []
         elif isinstance(self.stop, str):  # one stop string, not its characters
             self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
 
     def validate(self, has_draft: bool) -> None:
         for name in ("temperature", "top_p", "stop_threshold"):
@@ -112,7 +114,7 @@ class GenerationConfig:
                     or not math.isfinite(value):
                 raise EdgespecError(f"{name} must be a finite number, not {value!r}.")
         for name in ("max_new_tokens", "top_k", "seed", "draft_tokens", "lookup_tokens",
-                     "tree_budget", "tree_depth", "tree_top_k", "logprobs"):
+                     "tree_budget", "tree_depth", "tree_top_k", "tree_lookup", "logprobs"):
             value = getattr(self, name)
             whole = not isinstance(value, bool) and isinstance(value, (int, np.integer))
             if not whole and (value is not None or name not in OPTIONAL):
@@ -140,6 +142,9 @@ class GenerationConfig:
                   (0 <= self.tree_budget <= 1024, "tree_budget must be between 0 and 1024"),
                   (1 <= self.tree_depth <= 32, "tree_depth must be between 1 and 32"),
                   (1 <= self.tree_top_k <= 32, "tree_top_k must be between 1 and 32"),
+                  (0 <= self.tree_lookup <= 64, "tree_lookup must be between 0 and 64"),
+                  (0 < self.stop_threshold <= 1,
+                   "stop_threshold must be in (0, 1] (the draft's top probability)"),
                   (self.seed is None or self.seed >= 0, "the seed must be >= 0"),
                   (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
                    f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}"),
@@ -241,7 +246,8 @@ class Engine:
         self.path = Path(path) if path is not None else demo_bundle()
         self.manifest = read_manifest(self.path, verify=verify)
         self.tokenizer = Tokenizer.from_dir(self.path)
-        providers = providers or resolve_providers(device)
+        providers = check_providers(providers) if providers is not None \
+            else resolve_providers(device)
         m = self.manifest
         max_len = int(context or DEFAULT_CONTEXT)
         target_path = self.path / m.target.graph
@@ -430,6 +436,10 @@ class Engine:
         return config
 
     def _config(self, config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise EdgespecError(f"config must be a GenerationConfig, not "
+                                f"{type(config).__name__}; GenerationConfig(**settings) "
+                                "makes one, or pass the settings as keywords.")
         if config is not None and kwargs:
             raise EdgespecError("pass a GenerationConfig or keyword settings, not both; "
                                 "dataclasses.replace(config, ...) changes a config.")
@@ -508,6 +518,13 @@ class Engine:
         hand them to your UI thread's queue). Bad settings and prompts raise here, so a
         UI waiting for one of the callbacks hears from one unless submit raised. The
         returned Job can be cancelled and waited for."""
+        for name, callback in (("on_text", on_text), ("on_done", on_done),
+                               ("on_error", on_error)):
+            if callback is not None and not callable(callback):
+                hint = "; pass settings as config=" if isinstance(
+                    callback, GenerationConfig) else ""
+                raise EdgespecError(f"{name} must be a function or None, not "
+                                    f"{type(callback).__name__}{hint}.")
         job = Job()
         config = self._config(config, kwargs)
         ids = self.encode_prompt(prompt)
@@ -633,10 +650,10 @@ class Engine:
 
     def stream(self, prompt: str | list[int], config: GenerationConfig | None = None,
                **kwargs: Any) -> Iterator[str]:
-        """Text chunks as they are decided; each is valid UTF-8 (no split characters)."""
-        for record in self.records(prompt, config, **kwargs):
-            if record.text:
-                yield record.text
+        """Text chunks as they are decided; each is valid UTF-8 (no split characters). Bad
+        settings raise here, as in records(), not at the first chunk."""
+        records = self.records(prompt, config, **kwargs)
+        return (record.text for record in records if record.text)
 
     def generate(self, prompt: str | list[int], config: GenerationConfig | None = None,
                  **kwargs: Any) -> GenerationResult:

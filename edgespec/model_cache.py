@@ -173,6 +173,9 @@ def resolve_model(model: str | Path | None, console: Console | None = None,
     cached_bundle's."""
     if model is None:
         return None
+    if not isinstance(model, (str, os.PathLike)):
+        raise EdgespecError(f"a model is a path or a Hub id (str or Path), not "
+                            f"{type(model).__name__}.")
     path = Path(model).expanduser()
     if path.is_dir() and (path / MANIFEST).is_file():
         return path

@@ -19,6 +19,8 @@ MAX_STOP_CHARS = 256
 
 def check_stops(stops: Sequence[str]) -> str | None:
     """What is wrong with these stop strings, in one clause, or None."""
+    if isinstance(stops, str) or not isinstance(stops, Sequence):
+        return f"stop must be a string or a list of strings, not {stops!r}"
     if len(stops) > MAX_STOPS:
         return f"at most {MAX_STOPS} stop strings are allowed, got {len(stops)}"
     if any(not isinstance(s, str) for s in stops):

@@ -64,6 +64,21 @@ def check_text(text: str) -> None:
                             f"{e.start}); send UTF-8 text.") from None
 
 
+def check_messages(messages: Any) -> None:
+    """A conversation as chat templates take it, or one sentence on what is not: a
+    template meeting a None or a list of parts fails inside jinja with a TypeError."""
+    if not isinstance(messages, list) or not messages:
+        raise EdgespecError("messages must be a non-empty list of {'role': ..., 'content': "
+                            "...} dicts.")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise EdgespecError(f"message {i} must be a dict with a 'role' string, not {m!r}.")
+        if not isinstance(m.get("content"), str):
+            raise EdgespecError(f"message {i}'s content must be text, not "
+                                f"{type(m.get('content')).__name__}; join a list of text parts "
+                                "into one string.")
+
+
 class Tokenizer:
     """Text <-> token ids for one bundle, plus its chat template."""
 
@@ -183,6 +198,7 @@ class Tokenizer:
         text where the last message's does, so an answer begun by the caller (an assistant
         message sent last, "prefill") is continued rather than closed, as vLLM's
         `continue_final_message` and transformers' own option do."""
+        check_messages(messages)
         text = (self._continued(messages) if continue_final
                 else self.apply_chat_template(messages, add_generation_prompt))
         encoding = self._encode(self._tok, text, False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pexpect
@@ -15,7 +16,8 @@ PROMPT = ">>> "
 def chat():
     child = pexpect.spawn(sys.executable, ["-m", "edgespec.cli", "chat", "--mode", "ar",
                                            "--max-new-tokens", "400"],
-                          encoding="utf-8", timeout=120, dimensions=(40, 200))
+                          encoding="utf-8", codec_errors="replace", timeout=120,
+                          dimensions=(40, 200))
     child.expect_exact(PROMPT)
     yield child
     child.close(force=True)
@@ -87,6 +89,24 @@ def test_chat_commands_say_what_they_did_and_refuse_bad_values(chat):
     chat.expect(pexpect.EOF)
     chat.close()
     assert chat.exitstatus == 0
+
+
+def test_a_typed_line_that_is_not_utf8_or_too_long_is_one_plain_sentence(chat):
+    """readline hands undecodable bytes over as lone surrogates, which the tokenizer refused
+    as "not valid Unicode (a lone surrogate at character 118)" (a place in the rendered
+    template) followed by "/reset starts over", which a first turn has no use for."""
+    os.write(chat.child_fd, "hé ".encode() + b"\xff\xfe there\r")
+    chat.expect_exact("that line is not UTF-8 text (byte 4), so it was skipped.")
+    chat.expect_exact(PROMPT)
+    chat.sendline("/mode  lookup")  # a second space is still the same command
+    chat.expect_exact("mode lookup.")
+    chat.expect_exact(PROMPT)
+    chat.sendline("word " * 600)
+    chat.expect_exact("shorten the prompt.")
+    chat.expect_exact(PROMPT)
+    assert "/reset" not in chat.before
+    chat.sendline("/exit")
+    chat.expect(pexpect.EOF)
 
 
 def test_a_line_longer_than_the_terminals_buffer_arrives_whole(chat):

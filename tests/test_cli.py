@@ -48,6 +48,14 @@ def test_generate_streams_prompt_and_continuation():
     assert "tok/s" in out.stderr and "[spec, cpu]" in out.stderr
 
 
+def test_the_stats_line_of_a_one_token_answer_claims_no_speed():
+    """Speed is tokens after the first over the time after prefill: none for one token,
+    which the line showed as "1 tokens, 0.0 tok/s", a hang to the eye."""
+    out = run("generate", "def f(x):", "--max-new-tokens", "1")
+    assert out.returncode == 0, out.stderr
+    assert "1 token, 1 target pass," in out.stderr and "tok/s" not in out.stderr
+
+
 @pytest.mark.parametrize("command", ["export", "generate", "chat", "serve", "bench", "doctor"])
 def test_help(command):
     out = run(command, "--help")

@@ -243,10 +243,49 @@ def test_cancel_from_another_thread(engine):
     ({"max_new_tokens": None}, "max_new_tokens must be a whole number, not None"),
     ({"tree_depth": None}, "tree_depth must be a whole number"),
     ({"adaptive": "yes"}, "adaptive must be True or False"),
+    ({"stop": 5}, "stop must be a string or a list of strings"),
+    ({"mode": "spec", "tree_budget": 8, "tree_lookup": "x"}, "tree_lookup must be a whole"),
+    ({"mode": "spec", "tree_budget": 8, "tree_lookup": -1}, "tree_lookup must be between"),
+    ({"mode": "spec", "stop_rule": "confidence", "stop_threshold": 5.0},
+     r"stop_threshold must be in \(0, 1\]"),
 ])
 def test_bad_config(engine, kwargs, message):
     with pytest.raises(EdgespecError, match=message):
         engine.generate("x", **kwargs)
+
+
+def test_a_config_is_a_generation_config_and_callbacks_are_functions(engine):
+    """A dict for the config, or submit's settings where its on_text callback goes (its
+    parameters run prompt, on_text, on_done, config), is one sentence, not an
+    AttributeError or a job that fails on its first chunk."""
+    from edgespec.engine import GenerationConfig
+
+    with pytest.raises(EdgespecError, match="config must be a GenerationConfig, not dict"):
+        engine.generate("x", {"max_new_tokens": 3})
+    with pytest.raises(EdgespecError, match="on_text must be a function or None, not "
+                                            "GenerationConfig; pass settings as config="):
+        engine.submit("x", GenerationConfig(max_new_tokens=3))
+    with pytest.raises(EdgespecError, match="on_done must be a function"):
+        engine.submit("x", on_done="print", max_new_tokens=3)
+    assert engine.submit("x", config=GenerationConfig(max_new_tokens=3)).result(60).token_ids
+    with pytest.raises(EdgespecError, match="temperature must be >= 0"):
+        engine.stream("x", temperature=-1)  # at the call, as records(), not at next()
+
+
+def test_load_checks_what_it_is_given():
+    """A provider list is checked as --device is: a string was read a letter at a time
+    (with a warning per letter), an absent provider fell back to the CPU unsaid."""
+    import onnxruntime as ort
+
+    with pytest.raises(EdgespecError, match="providers must be a non-empty list"):
+        edgespec.load(providers="CPUExecutionProvider")
+    absent = next(p for p in ("CUDAExecutionProvider", "DmlExecutionProvider")
+                  if p not in ort.get_available_providers())
+    with pytest.raises(EdgespecError, match=f"{absent} is not available in this onnxruntime"):
+        edgespec.load(providers=[absent])
+    with pytest.raises(EdgespecError, match="a model is a path or a Hub id"):
+        edgespec.load(123)
+    assert edgespec.load(providers=["CPUExecutionProvider"]).devices == "cpu"
 
 
 @pytest.mark.parametrize("prompt", [None, b"def", [1.7, 2.2], [True], ""])

@@ -164,6 +164,25 @@ def test_a_final_assistant_message_is_continued_as_transformers_does(demo_target
             demo_tok.encode_chat(bad, continue_final=True)
 
 
+@pytest.mark.parametrize("messages, told", [
+    ([{"role": "user", "content": None}], "message 0's content must be text, not NoneType"),
+    ([{"role": "system", "content": "Be brief."},
+      {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+     "message 1's content must be text, not list"),
+    ([{"content": "hi"}], "message 0 must be a dict with a 'role' string"),
+    ([], "messages must be a non-empty list"),
+    ("hi", "messages must be a non-empty list")])
+def test_a_conversation_that_is_not_text_messages_is_one_sentence(demo_tok, messages, told):
+    """The template would meet a None or a list of parts inside jinja: a TypeError."""
+    from jinja2 import Template
+
+    if messages and isinstance(messages, list) and "role" in messages[-1]:
+        with pytest.raises(TypeError):  # what it was: the template's own failure
+            Template(demo_tok.chat_template).render(messages=messages)
+    with pytest.raises(EdgespecError, match=told):
+        demo_tok.encode_chat(messages)
+
+
 def test_chat_template_with_hf_conventions(tmp_path, demo_target):
     """A template using loop controls, tojson, trim/lstrip blocks and raise_exception,
     rendered by transformers and by us."""

@@ -36,6 +36,22 @@ def resolve_providers(device: str = "auto") -> list[str]:
     return [PROVIDER[device]] if device == "cpu" else [PROVIDER[device], PROVIDER["cpu"]]
 
 
+def check_providers(providers: object) -> list[str]:
+    """Providers a caller named (load(providers=...)), checked as --device is: a string
+    was read a letter at a time, and an absent provider fell back to the CPU unsaid."""
+    if isinstance(providers, str) or not isinstance(providers, (list, tuple)) or not providers \
+            or not all(isinstance(p, str) for p in providers):
+        raise EdgespecError(f"providers must be a non-empty list of ONNX Runtime provider "
+                            f"names such as ['CPUExecutionProvider'], not {providers!r}.")
+    available = ort.get_available_providers()
+    missing = [p for p in providers if p not in available]
+    if missing:
+        raise EdgespecError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not "
+                            f"available in this onnxruntime ({', '.join(available)}); name "
+                            "only those, or pass device= instead.")
+    return list(providers)
+
+
 def check_session(session: ort.InferenceSession, device: str, providers: list[str]) -> str:
     """The device a session actually runs on; an explicit request that fell back is an error."""
     got = session.get_providers()
