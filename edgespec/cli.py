@@ -209,10 +209,16 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
                   and quant != "rot" and draft != "nested")
     if ep_profile == "dml" and "--precision" not in given:
         precision = "fp16"  # not int8: DirectML's MatMulNBits takes no 8-bit codes
+    _check_export_options(target, draft, precision, draft_precision, vocab_trim, requantize,
+                          ep_profile, quant)
     if is_gguf(Path(target)) and draft == "nested":
         err.print(f"note: --draft nested re-quantizes {target}'s weights into int8 4+4 codes "
                   "(BitNest), so they do not keep their GGUF types and the bundle is about "
                   "twice the file; the default draft keeps them.", highlight=False)
+    if is_gguf(Path(target)) and quant == "rot":
+        err.print(f"note: --quant rot re-quantizes {target}'s weights into rotated int8 "
+                  "(calibrated in float first, which takes minutes), so they do not keep "
+                  "their GGUF types.", highlight=False)
     if gguf_codes:
         said = [f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to its "
                 "float tensors only"] if given else []
@@ -225,9 +231,9 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     for source in (target, draft):
         if source and out.exists() and Path(source).exists() and \
                 Path(source).resolve().is_relative_to(out.resolve()):
-            raise EdgespecError(f"{out} holds {source}, which this export reads; choose "
+            what = "is" if Path(source).resolve() == out.resolve() else "holds"
+            raise EdgespecError(f"{out} {what} {source}, which this export reads; choose "
                                 "another --out.")
-    _check_export_options(target, draft, precision, draft_precision, vocab_trim, requantize)
     run_export(target, out, draft=draft, precision=precision,
                draft_precision=draft_precision, block_size=int(block_size),
                ep_profile=ep_profile, accuracy_level=int(accuracy_level),
@@ -354,19 +360,31 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
 
 def _check_export_options(target: str, draft: str | None, precision: str,
                           draft_precision: str | None, vocab_trim: int | None,
-                          requantize: bool) -> None:
-    """Options that would be silently ignored in this combination are refused instead."""
+                          requantize: bool, ep_profile: str, quant: str) -> None:
+    """Options that would be silently ignored in this combination are refused instead,
+    before any note about what the export will do."""
     from edgespec.export.source import is_gguf
 
-    given = click.get_current_context().get_parameter_source("trim_source")
+    ctx = click.get_current_context()
+    given = ctx.get_parameter_source("trim_source")
+    draft_shapers = " and ".join(name for name, value in (("--vocab-trim", vocab_trim), (
+        "--draft-precision", draft_precision)) if value)
     conflicts = [
+        (draft == "nested" and ep_profile == "dml",
+         "--draft nested works with the cpu and cuda profiles; leave out --ep-profile dml or "
+         "choose another draft."),
+        (ctx.get_parameter_source("nest") != click.core.ParameterSource.DEFAULT
+         and draft != "nested",
+         "--nest sets the codes of --draft nested, which this export does not make; add "
+         "--draft nested or leave --nest out."),
         (vocab_trim and not draft,
          "--vocab-trim trims a draft model's LM head, and no --draft model was given (a "
          "draft head, as the one shipped for a model, keeps the tokens it was trained on); "
          "add --draft or leave --vocab-trim out."),
-        (draft == "none" and (vocab_trim or draft_precision),
-         "--vocab-trim and --draft-precision shape the draft, but --draft none makes none; "
-         "leave them out."),
+        (draft == "none" and draft_shapers,
+         f"{draft_shapers} shape{'s' if ' and ' not in draft_shapers else ''} the draft, but "
+         f"--draft none makes none; leave {'them' if ' and ' in draft_shapers else 'it'} "
+         "out."),
         (given != click.core.ParameterSource.DEFAULT and not vocab_trim,
          "--trim-source chooses what --vocab-trim counts; add --vocab-trim K or leave it "
          "out."),

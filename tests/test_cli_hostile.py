@@ -387,8 +387,11 @@ def test_serve_refuses_a_busy_port_or_a_foreign_host_before_loading(tmp_path):
 
 
 @pytest.mark.parametrize("flags,fragment", [
-    (["--draft", "none", "--vocab-trim", "100"], "--draft none makes none"),
-    (["--draft", "none", "--draft-precision", "int4"], "--draft none makes none"),
+    (["--draft", "none", "--vocab-trim", "100"], "--vocab-trim shapes the draft, but --draft "
+                                                  "none makes none; leave it out"),
+    (["--draft", "none", "--draft-precision", "int4"], "--draft-precision shapes the draft"),
+    (["--draft", "nested", "--ep-profile", "dml"], "--draft nested works with the cpu and cuda"),
+    (["--nest", "4+4"], "--nest sets the codes of --draft nested"),
     (["--trim-source", "target"], "--trim-source chooses what --vocab-trim counts"),
     (["--draft", "nested", "--precision", "fp16"], "--draft nested builds an int8 target"),
     (["--draft", "nested", "--draft-precision", "int8"], "4-bit half of the target's codes"),
@@ -398,3 +401,15 @@ def test_export_refuses_options_it_would_ignore(tmp_path, checkpoint, flags, fra
     assert_user_error(run("export", str(checkpoint), "--out", str(tmp_path / "b"), *flags),
                       fragment)
     assert not (tmp_path / "b").exists()
+
+
+def test_export_refuses_a_bundle_and_its_own_source_as_out(tmp_path, checkpoint):
+    bundle = tmp_path / "b"
+    assert run("export", str(checkpoint), "--out", str(bundle)).returncode == 0
+    assert_user_error(run("export", str(bundle), "--out", str(tmp_path / "c")),
+                      "is an edgespec bundle, which is exported already")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    assert_user_error(run("export", str(gguf), "--out", str(gguf), "--overwrite"),
+                      f"{gguf} is {gguf}, which this export reads")
+    assert gguf.read_bytes()[:4] == b"GGUF"

@@ -63,7 +63,9 @@ def check_trim_source(source: str) -> None:
     if not source.removeprefix("corpus:"):
         raise EdgespecError("--trim-source corpus: names no path; write corpus:PATH.")
     if not Path(source.removeprefix("corpus:")).exists():
-        raise EdgespecError(f"the trim corpus {source.removeprefix('corpus:')} does not exist.")
+        raise EdgespecError(f"the trim corpus {source.removeprefix('corpus:')} does not exist; "
+                            "name a text file or a folder of them, or leave --trim-source out "
+                            "to count the target's own answers.")
 
 
 def corpus_counts(path: Path, tokenizer: Tokenizer, vocab_size: int) -> np.ndarray:
