@@ -697,7 +697,7 @@ def serve(model: str | None, host: str, port: int, api_key: str | None,
                   "machines and no API key is set: anyone who can reach this port can use "
                   "the model; set EDGESPEC_API_KEY.")
     engine = open_model(model, runtime)
-    model_id = Path(model).name if model else "edgespec-demo"
+    model_id = Path(model).resolve().name if model else "edgespec-demo"  # --model . too
     err.print(f"serving {model_id} on http://{host}:{port}/ (chat page) and /v1 "
               f"({engine.devices})")
     run_server(engine, model_id, sock, api_key, allowed_hosts)

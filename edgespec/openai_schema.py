@@ -131,6 +131,8 @@ class ChatRequest(Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
     # extension, as vLLM takes it: continue the last (assistant) message, not a new turn
     continue_final_message: bool = False
 
@@ -142,6 +144,9 @@ class ChatRequest(Sampling):
         if kind != "text":
             raise UnsupportedError("response_format", f"response_format '{kind}' is not "
                                    "supported; only plain text answers are.")
+        if any(m != "text" for m in self.modalities or ()) or self.audio is not None:
+            raise UnsupportedError("modalities", "only text output is supported; leave out "
+                                                 "audio and give modalities ['text'] or none.")
         if self.tools or self.functions:
             raise UnsupportedError("tools", "tool calling is not supported.")
         if self.tool_choice not in (None, "none"):

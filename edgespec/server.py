@@ -52,6 +52,27 @@ PAGE_HEADERS = {  # the page loads nothing from anywhere else, and runs no inlin
     "Cache-Control": "no-store"}
 
 
+# what a field of several types takes, for its 422 (pydantic names the types it tried)
+ACCEPTED = {"prompt": "a string, a list of one string, or token ids (a list of ints)",
+            "stop": "a string or a list of strings",
+            "content": "a string or a list of text parts"}
+
+
+def field_path(loc: tuple) -> tuple[str | None, bool]:
+    """A validation error's place as the API spells it (`messages[0].content`), and whether
+    pydantic tried a union there: its loc then goes on with the type it tried (`str`,
+    `list[int]`), no field of the request."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("str", "int", "float", "bool", "list", "dict") or "[" in str(part):
+            return path or None, True
+        else:
+            path += f".{part}" if path else str(part)
+    return path or None, False
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
@@ -60,8 +81,8 @@ class ApiError(Exception):
             status, message, kind, param, code)
 
 
-# a generation the engine's close() (serve's shutdown) cut short or never began
 COMPLETION_DEFAULT_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI's
+# a generation the engine's close() (serve's shutdown) cut short or never began
 SHUTTING_DOWN = "the server is shutting down, so this answer was cut short; send it again later."
 
 
@@ -152,7 +173,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0]
         loc = tuple(first.get("loc", ()))
-        where = ".".join(str(x) for x in loc[1:]) or None
+        where, union = field_path(loc[1:])
         if first.get("type") == "json_invalid":
             return error_response(400, "the request body is not valid JSON.")
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -163,6 +184,9 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         if loc == ("body",) and first.get("type") != "value_error":
             return error_response(400, "the request body must be a JSON object.")
         message = str(first.get("msg")).removeprefix("Value error, ")
+        if union:  # pydantic's message is the first alternative's: "a valid string"
+            name = where.rsplit(".", 1)[-1].split("[")[0]
+            message = f"must be {ACCEPTED.get(name, 'of another type')}."
         return error_response(422, f"{where}: {message}" if where else message, param=where)
 
     @app.exception_handler(StarletteHTTPException)
@@ -188,18 +212,27 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
                 "default_mode": default_mode, "auth": api_key is not None,
                 "chat": bool(engine.tokenizer.chat_template), **counts}
 
+    card = {"id": model_id, "object": "model", "created": created, "owned_by": "edgespec"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_id, "object": "model",
-                                            "created": created, "owned_by": "edgespec"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}")  # OpenAI's retrieve; an id may hold a slash
+    async def model(name: str) -> dict[str, Any]:
+        if name != model_id:
+            raise ApiError(404, f"model '{name}' is not served here; this server serves "
+                           f"'{model_id}'.", param="model", code="model_not_found")
+        return card
 
     def config_for(req: Sampling, prompt_tokens: int, param: str,
                    logprobs: int | None) -> GenerationConfig:
         room = engine.context_length - prompt_tokens
         if room < 1:
-            raise ApiError(400, f"the prompt is {prompt_tokens} tokens but the model's "
-                           f"context holds {engine.context_length}.", param=param,
-                           code="context_length_exceeded")
+            raise ApiError(400, f"the prompt is {prompt_tokens} tokens and the model's "
+                           f"context holds {engine.context_length}, which leaves no room for "
+                           f"an answer; send at most {engine.context_length - 1}.",
+                           param=param, code="context_length_exceeded")
         # OpenAI's legacy completions (and vLLM's) stop at 16 tokens unless told; a chat
         # answer runs to its end, or the context's
         default = room if isinstance(req, ChatRequest) else COMPLETION_DEFAULT_TOKENS

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pexpect
@@ -269,10 +270,10 @@ def test_empty_api_key_is_refused(env, args):
     assert_user_error(out, "API key is empty")
 
 
-def _serve(args, env=None):
+def _serve(args, env=None, cwd=None):
     port = free_port()
     proc = subprocess.Popen([*CLI, "serve", "--port", str(port), *args],
-                            stderr=subprocess.PIPE, text=True,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd,
                             env={**os.environ, **(env or {})})
     lines = []
     for line in proc.stderr:
@@ -298,6 +299,19 @@ def test_key_from_the_environment_stays_out_of_ps():
         with open(f"/proc/{proc.pid}/cmdline", "rb") as f:
             assert b"sk-env-77" not in f.read()
         assert not any("visible" in line for line in lines)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_a_model_named_by_a_relative_path_is_served_under_its_folders_name(bundle_copy):
+    """`--model .` served the id '' (Path('.').name)."""
+    proc, port, lines = _serve(["--model", "."], cwd=bundle_copy,
+                               env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [bundle_copy.name]
+        assert any(f"serving {bundle_copy.name} on" in line for line in lines), lines
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -43,6 +43,9 @@ def client(server):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.models.retrieve("gpt-4o")
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
 
 

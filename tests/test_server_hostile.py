@@ -23,7 +23,8 @@ from tests.http_server import running, slowed
 KEY = "sk-hostile-1"
 MODEL = "edgespec-demo"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-LONG = {"model": MODEL, "prompt": "def main(", "temperature": 0, "mode": "ar"}  # to the end
+LONG = {"model": MODEL, "prompt": "def main(", "temperature": 0, "mode": "ar",
+        "max_tokens": 1 << 20}  # cut to the room the context has: to its end
 
 
 @pytest.fixture(scope="module")
@@ -307,6 +308,8 @@ def test_prompt_as_a_list_or_token_ids(server, engine):
     ({"logit_bias": {"42": 5}}, "logit_bias"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+     "modalities"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url",
                                                  "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
@@ -328,10 +331,31 @@ def test_no_loose_coercion(server, field, value):
     assert r.status_code == 422 and r.json()["error"]["param"] == field, r.text
 
 
-def test_completion_context_error_names_the_prompt(server):
+@pytest.mark.parametrize("path,body,param,told", [
+    ("/v1/completions", {"prompt": [1.5]}, "prompt", "must be a string, a list of one string"),
+    ("/v1/completions", {"prompt": None}, "prompt", "or token ids (a list of ints)"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 123}]},
+     "messages[0].content", "must be a string or a list of text parts"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": [1]},
+     "stop", "must be a string or a list of strings"),
+])
+def test_a_field_of_several_types_is_named_as_the_api_spells_it(server, path, body, param,
+                                                                  told):
+    """pydantic's own said `prompt.str: Input should be a valid string` (the first type it
+    tried, as if part of the field's name)."""
+    r = post(server, path, {"model": MODEL, **body})
+    assert r.status_code == 422 and r.json()["error"]["param"] == param, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith(f"{param}: must be ") and told in message, r.text
+
+
+def test_completion_context_error_names_the_prompt(server, engine):
     r = post(server, "/v1/completions", {**LONG, "prompt": "x = 1\n" * 700})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    exact = engine.context_length
+    r = post(server, "/v1/completions", {**LONG, "prompt": [5] * exact})
+    assert r.status_code == 400 and f"send at most {exact - 1}" in r.json()["error"]["message"]
 
 
 # 15: DNS rebinding, the API description behind the key
