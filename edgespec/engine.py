@@ -277,9 +277,9 @@ class Engine:
         kv = SharedKVCache(self.target.cache) if shared else None
         self.head = m.draft is not None and m.draft.kind == "eagle"
         if self.head and not hasattr(self.target, "features"):
-            from edgespec.runtimes.planner import HEAD_NEEDS_WHOLE_TARGET
+            from edgespec.runtimes.planner import head_needs_whole_target
 
-            raise EdgespecError(HEAD_NEEDS_WHOLE_TARGET)
+            raise EdgespecError(head_needs_whole_target())
         self.draft = (DecoderSession(self.path / m.draft.graph, m.draft, draft_providers,
                                      draft_device or device, max_len=self.target.max_len,
                                      threads=_draft_threads(m.draft, threads),

@@ -18,11 +18,11 @@ from edgespec.bundle import read_manifest
 from edgespec.errors import EdgespecError
 from edgespec.runtimes.planner import (
     BUDGETS,
-    HEAD_NEEDS_WHOLE_TARGET,
     ModelSizes,
     Plan,
     fmt_bytes,
     free_gpu_bytes,
+    head_needs_whole_target,
     make_plan,
     measure_costs,
 )
@@ -49,7 +49,9 @@ def plan_bundle(path: Path, gpu_memory: int | None, context: int,
              if m.draft and m.draft.graph != m.target.graph else None)
     plan = make_plan(sizes, budget, context, costs, draft)
     if m.draft is not None and m.draft.kind == "eagle" and plan.offload != "none":
-        raise EdgespecError(HEAD_NEEDS_WHOLE_TARGET)
+        whole = make_plan(sizes, 1 << 62, context, costs, draft).gpu_bytes
+        raise EdgespecError(head_needs_whole_target(
+            f"{fmt_bytes(whole)} at a context of {context} tokens"))
     return plan, assumed
 
 

@@ -1013,15 +1013,17 @@ def test_plan_refuses_to_offload_a_head_bundle(tiny, trained, tmp_path):
     from edgespec.errors import EdgespecError
     from edgespec.export import export
     from edgespec.plan import plan_bundle
-    from edgespec.runtimes.planner import ModelSizes
+    from edgespec.runtimes.planner import ModelSizes, fmt_bytes
 
     export(tiny[0], tmp_path / "b", draft=trained)
     m = read_manifest(tmp_path / "b")
     sizes = ModelSizes.of(tmp_path / "b" / m.target.graph, m.target)
     fits, _ = plan_bundle(tmp_path / "b", gpu_memory=1 << 40, context=256, bandwidth=16e9)
     assert fits.offload == "none"  # the whole target on the GPU: a head's plan
-    with pytest.raises(EdgespecError, match="draft head reads the target's final states"):
+    with pytest.raises(EdgespecError, match="draft head reads the target's final states") as e:
         plan_bundle(tmp_path / "b", gpu_memory=sizes.total, context=256, bandwidth=16e9)
+    assert f"the whole target ({fmt_bytes(fits.gpu_bytes)} at a context of 256 tokens)" in \
+        str(e.value)  # how much it needs, as the plan that fits counts it
 
 def drafts_and_equals_ar(bundle: Path) -> None:
     """The bundle's default mode drafts, and its greedy output is greedy AR's."""

@@ -202,6 +202,7 @@ def test_tiny_budgets():
 
 def test_parse_bytes():
     assert parse_bytes("6GiB") == 6 << 30
+    assert parse_bytes("1TiB") == 1 << 40 and parse_bytes("2TB") == 2 * 10**12
     assert parse_bytes("512MB") == 512 * 10**6
     assert parse_bytes("1.5 gib") == 3 << 29
     with pytest.raises(EdgespecError, match="memory size"):

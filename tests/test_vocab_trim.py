@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -104,6 +106,9 @@ def test_sampling_with_a_trimmed_draft_is_lossless():
 def test_trim_errors(tmp_path, demo_target, demo_draft):
     with pytest.raises(EdgespecError, match="choose a larger K"):
         export(demo_target, tmp_path / "b", draft=demo_draft, vocab_trim=2)
+    vocab = json.loads((demo_target / "config.json").read_text())["vocab_size"]
+    with pytest.raises(EdgespecError, match=f"keeps every one of the target's {vocab} tokens"):
+        export(demo_target, tmp_path / "b", draft=demo_draft, vocab_trim=vocab)
     with pytest.raises(EdgespecError, match="neither 'target' nor 'corpus:PATH'"):
         export(demo_target, tmp_path / "b", draft=demo_draft, vocab_trim=100,
                trim_source="wiki")

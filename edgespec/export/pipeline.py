@@ -447,6 +447,11 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
                 check_tokenizer(src)
         if draft_src:
             check_same_vocab(target_src.tokenizer_dir, draft_src.tokenizer_dir)
+        vocab = target_src.config.get("vocab_size")
+        if vocab_trim and isinstance(vocab, int) and vocab_trim >= vocab:
+            raise EdgespecError(f"--vocab-trim {vocab_trim} keeps every one of the target's "
+                                f"{vocab} tokens, so it trims nothing; give a K below {vocab} "
+                                "or leave it out.")
         if shipped and not nested:
             head = default_head(target_src)
         manifest, sizes = _write(target_src, draft_src, out, precision, draft_precision,

@@ -37,11 +37,16 @@ from edgespec.runtimes.segments import (
 
 GiB = 1 << 30
 UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-         "mib": 1 << 20, "g": GiB, "gb": 10**9, "gib": GiB}
+         "mib": 1 << 20, "g": GiB, "gb": 10**9, "gib": GiB, "t": GiB << 10, "tb": 10**12,
+         "tib": GiB << 10}
 BUDGETS = tuple(2 ** i for i in range(11))  # tree budgets the planner considers, 1..1024
-HEAD_NEEDS_WHOLE_TARGET = ("this bundle's draft head reads the target's final states, which "
-                           "an offloaded target does not hand over; give it GPU memory for "
-                           "the whole target, or export it with --draft none to offload it.")
+
+
+def head_needs_whole_target(need: str = "") -> str:
+    """Why a bundle with a draft head is not offloaded; `need`: what the whole costs."""
+    return ("this bundle's draft head reads the target's final states, which an offloaded "
+            f"target does not hand over; give it GPU memory for the whole target"
+            f"{f' ({need})' if need else ''}, or export it with --draft none to offload it.")
 
 
 def parse_bytes(text: str) -> int:
