@@ -143,6 +143,10 @@ def cached_bundle(source: str | Path, console: Console | None = None,
                             f"{out.parent} ({e.reason}); nothing was left behind, "
                             f"{'free space or ' if e.full else ''}set EDGESPEC_CACHE to "
                             "another folder.") from None
+    except EdgespecError:  # refused as "already holds a bundle", or as written meanwhile:
+        if (out / MANIFEST).is_file():  # another process made this same export first
+            return out
+        raise
     return out
 
 

@@ -98,6 +98,27 @@ def test_a_damaged_cached_export_is_made_again(tmp_path, checkpoint, monkeypatch
     assert edgespec.load(checkpoint).path == cached and data.is_file()
 
 
+def test_an_export_another_process_put_in_the_cache_meanwhile_is_used(tmp_path, checkpoint,
+                                                                      monkeypatch):
+    """Two processes exporting the same model into the cache at once: the one to finish
+    second finds the other's bundle in place, and uses it (it was refused as written by
+    another export, which is right for --out but not for the cache)."""
+    import edgespec
+    from edgespec import export as export_package
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    real = export_package.export
+
+    def raced(source, out, **options):
+        real(source, out, **options)  # the other process, done first
+        real(source, out, **options)  # this one, finding its bundle in place
+
+    monkeypatch.setattr(export_package, "export", raced)
+    engine = edgespec.load(checkpoint)
+    assert engine.generate("def f(", max_new_tokens=4, mode="ar").token_ids
+    assert len(list((tmp_path / "cache" / "bundles").iterdir())) == 1
+
+
 # 11: --out FILE --overwrite is refused before anything is written
 def test_overwrite_refuses_a_file(tmp_path, checkpoint):
     target = tmp_path / "notes.txt"
