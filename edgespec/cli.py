@@ -336,6 +336,8 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
 
     if out.suffix != ".npz":
         raise EdgespecError(f"{out}: a draft head is written as .npz; name it so.")
+    if out.is_dir():  # found after the whole training, when the head is moved into place
+        raise EdgespecError(f"{out} is a folder; name the head's file with --out.")
     if threads:
         torch.set_num_threads(threads)
     if device == "cuda" and not torch.cuda.is_available():

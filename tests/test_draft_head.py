@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -778,12 +779,19 @@ def test_interrupted_training_resumes_from_its_checkpoint_to_the_same_head(
         np.testing.assert_array_equal(resumed.weights[name], value, err_msg=name)
     from dataclasses import replace
 
-    from edgespec.errors import EdgespecError
 
-    with pytest.raises(EdgespecError, match=r"made for another target, data or options "
-                                            r"\(steps, lr\)"):
-        trainer.train_draft(source, tmp_path / "c.npz", tmp_path / "b", ["def f(x):"],
-                            replace(opts, steps=6, lr=2e-3))
+    # more steps, another rate: the answers kept serve, the checkpoint goes (it was
+    # refused, and the answers had to be made again to train longer)
+    console = Console(record=True, width=200)
+    longer = trainer.train_draft(source, tmp_path / "c.npz", tmp_path / "b", ["def f(x):"],
+                                 replace(opts, steps=6, lr=2e-3), console=console)
+    said = console.export_text()
+    assert "made with other options (steps, lr), so the head trains from the start" in said
+    assert "resuming" not in said and "reusing 1 conversations" in said
+    afresh = trainer.train_draft(source, tmp_path / "d.npz", tmp_path / "d", ["def f(x):"],
+                                 replace(opts, steps=6, lr=2e-3))
+    for name, value in afresh.weights.items():
+        np.testing.assert_array_equal(longer.weights[name], value, err_msg=name)
 
 
 def test_a_work_directory_serves_only_the_run_it_was_made_for(tiny, tmp_path, monkeypatch):
@@ -1116,6 +1124,16 @@ def test_a_head_for_another_model_is_refused(tiny, trained, tmp_path, demo_targe
         with pytest.raises(EdgespecError, match="cannot read the draft head") as refused:
             export(path, tmp_path / "b", draft=bogus)
         assert "allow_pickle" not in str(refused.value)
+    # a weight of another shape made a bundle ONNX Runtime could not load; a non-finite
+    # one (a training that diverged) a draft that proposes nothing
+    for name, change, told in (("w.fusion", lambda w: w[:, :-1], r"its fusion do not have"),
+                               ("w.layer.down_proj", lambda w: w * np.inf, "not finite")):
+        broken = dict(fields)
+        broken[name] = change(fields[name])
+        np.savez(bogus, **broken)
+        with pytest.raises(EdgespecError, match=told):
+            export(path, tmp_path / "b", draft=bogus)
+    assert not (tmp_path / "b").exists()
 
 
 def test_default_export_takes_the_shipped_head_trained_on_its_target(tiny, trained, tmp_path,
@@ -1324,3 +1342,48 @@ def test_smollm2_head_sampling_keeps_the_targets_distribution(smollm2):
     table = table[:, table.sum(0) > 0]
     assert table.shape[1] >= 2  # the prompt has several likely openings at T=0.7
     assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_train_draft_refuses_a_folder_as_out_and_leaves_no_work_when_refused(tiny, tmp_path):
+    """A folder named as --out was found after the whole run (a traceback and a .part
+    file); a run refused before it made anything (--synthesize on a base model) left its
+    work folder with a work.json behind."""
+    from tests.test_cli import assert_user_error, run
+
+    path, _ = tiny
+    env = {"EDGESPEC_CACHE": str(tmp_path / "cache")}
+    (tmp_path / "dir.npz").mkdir()
+    assert_user_error(run("train-draft", str(path), "--out", str(tmp_path / "dir.npz"),
+                          "--steps", "2", env=env, timeout=600), "is a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir.npz"]
+    base = tmp_path / "base"
+    shutil.copytree(path, base)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    assert_user_error(run("train-draft", str(base), "--out", str(tmp_path / "s.npz"),
+                          "--steps", "2", "--synthesize", "2", env=env, timeout=600),
+                      "--synthesize needs a chat model")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["base",
+                                                                              "dir.npz"]
+    prompts = tmp_path / "prompts.txt"  # the second too long for the tiny model's 256
+    prompts.write_text("def f(x):\n" + "x = 1 " * 200 + "\n")
+    assert_user_error(run("train-draft", str(path), "--out", str(tmp_path / "l.npz"),
+                          "--steps", "2", "--max-new-tokens", "16", "--prompts", str(prompts),
+                          env=env, timeout=600),
+                      "prompt 2 ('x = 1 x = 1", "passes the 256 positions")
+    assert not (tmp_path / "l.work").exists()
+
+
+def test_a_training_that_diverges_writes_no_head(tiny, tmp_path, monkeypatch):
+    from edgespec.errors import EdgespecError
+    from edgespec.export.source import open_source
+    from edgespec.train import trainer
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    opts = trainer.TrainOptions(steps=20, kept=256, max_new_tokens=8, reader="float",
+                                sampled=False, lr=1e6)
+    with pytest.raises(EdgespecError, match="the training diverged .* lower --lr than 1e"):
+        trainer.train_draft(open_source(tiny[0], tmp_path / "src"), tmp_path / "h.npz",
+                            tmp_path / "w", ["def f(x):"], opts)
+    assert not (tmp_path / "h.npz").exists() and not (tmp_path / "h.npz.part").exists()

@@ -108,6 +108,16 @@ class DraftHead:
         tmp.replace(path)
 
 
+def shapes(config: HeadConfig) -> dict[str, tuple[int, ...]]:
+    """Each weight's shape, as the head's config says: what a file must hold."""
+    d, i = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer = {"q_proj": (q, d), "k_proj": (kv, d), "v_proj": (kv, d), "o_proj": (d, q),
+             "gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i),
+             "input_norm": (d,), "mlp_norm": (d,)}
+    return {"fusion": (d, 2 * d), "norm": (d,), **{f"layer.{k}": v for k, v in layer.items()}}
+
+
 def load_head(path: Path | str) -> DraftHead:
     path = Path(path)
     try:
@@ -115,17 +125,29 @@ def load_head(path: Path | str) -> DraftHead:
             if "format" not in z or str(z["format"]) != FORMAT:
                 raise EdgespecError(f"{path} is not an edgespec draft head; train one with "
                                     "`edgespec train-draft`.")
-            return DraftHead(
+            head = DraftHead(
                 config=HeadConfig(**json.loads(str(z["config"]))),
                 weights={k[2:]: z[k].astype(np.float32) for k in z.files
                          if k.startswith("w.")},
                 kept=z["kept"], fingerprint=z["fingerprint"],
                 card=json.loads(str(z["card"])))
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
         why = ("not a numpy archive" if "pickle" in str(e) or not str(e)  # not numpy's hint
                else str(e))
         raise EdgespecError(f"cannot read the draft head {path} ({why}); pass a file "
                             "written by `edgespec train-draft`.") from None
+    want = shapes(head.config)
+    wrong = sorted(k for k in want.keys() | head.weights.keys()
+                   if k not in head.weights or head.weights[k].shape != want.get(k))
+    if wrong or head.kept.ndim != 1 or not np.issubdtype(head.kept.dtype, np.integer):
+        what = f"its {', '.join(wrong)} do not have the shapes its config gives" if wrong \
+            else "its kept tokens are not a list of token ids"
+        raise EdgespecError(f"the draft head {path} is damaged ({what}); pass a file written "
+                            "by `edgespec train-draft`.")
+    if not all(np.isfinite(w).all() for w in head.weights.values()):
+        raise EdgespecError(f"the draft head {path} holds weights that are not finite (its "
+                            "training diverged); train it again with a lower --lr.")
+    return head
 
 
 def is_head_file(path: str | Path) -> bool:

@@ -78,6 +78,9 @@ def with_hidden_output(path: Path) -> bytes:
     return model.SerializeToString()
 
 
+READ_POSITIONS = 4096  # the longest conversation the exported target answers and reads
+
+
 def _target(bundle: Path, threads: int):
     """The bundle's target with its `hidden` output, its tokenizer and manifest."""
     from edgespec.bundle import read_manifest
@@ -89,7 +92,22 @@ def _target(bundle: Path, threads: int):
     providers = resolve_providers("cpu")
     session = open_session(path, providers, threads, with_hidden_output(path))
     return m, Tokenizer.from_dir(bundle), DecoderSession(
-        path, m.target, providers, max_len=4096, threads=threads, shared=session)
+        path, m.target, providers, max_len=READ_POSITIONS, threads=threads, shared=session)
+
+
+def check_lengths(tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int,
+                  positions: int) -> None:
+    """Every prompt and its answer fit the positions the target is read at: one that did
+    not failed the run after the answers before it, naming neither it nor the limit."""
+    room = min(positions, READ_POSITIONS) - max_new_tokens
+    for i, prompt in enumerate(prompts):
+        n = len(prompt_ids(tokenizer, prompt))
+        if n > room:
+            raise EdgespecError(
+                f"prompt {i + 1} ({prompt[:40]!r}...) is {n} tokens, and with "
+                f"--max-new-tokens {max_new_tokens} it passes the "
+                f"{min(positions, READ_POSITIONS)} positions the target is read at; shorten "
+                "it or leave it out.")
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:

@@ -97,13 +97,18 @@ WORK_PARTS = {
 }
 
 
-def claim_work(work: Path, data: dict[str, object], opts: TrainOptions) -> None:
+def claim_work(work: Path, data: dict[str, object], opts: TrainOptions) -> list[str]:
     """Make `work` this run's, or check that what it keeps was made for this run: each
     part (answers, text states, self-written conversations, the checkpoint) depends on
     the target, its data and some of the options, and a part made for others is refused,
     naming what differs, before it is reused (a second model trained to the same --out
     once got the first's head, and a changed --text went unread). `data`: digests of the
-    target and of what it reads; the parts' own keys say which of them they depend on."""
+    target and of what it reads; the parts' own keys say which of them they depend on.
+
+    A checkpoint made with other options (more --steps, another --lr) is dropped, not
+    refused: the answers it was trained on, the costly part, still serve. Returns what
+    was dropped, in a sentence each."""
+    dropped = []
     record = work / "work.json"
     if record.is_file():
         try:
@@ -127,13 +132,20 @@ def claim_work(work: Path, data: dict[str, object], opts: TrainOptions) -> None:
         kept = made.get(part)
         if kept is not None and any((work / f).exists() for f in files):
             differ = [k for k in {**kept, **identity} if kept.get(k) != identity.get(k)]
-            if differ:
+            if differ and part == "checkpoint" and all(k in options for k in differ):
+                for f in files:
+                    (work / f).unlink(missing_ok=True)
+                dropped.append(f"the checkpoint in {work} was made with other options "
+                               f"({', '.join(differ)}), so the head trains from the start "
+                               "on the data kept there")
+            elif differ:
                 raise EdgespecError(f"{work} keeps {part} made for another target, data or "
                                     f"options ({', '.join(differ)}); pass the same ones, or "
                                     "another --work directory to start afresh.")
         made[part] = identity
     work.mkdir(parents=True, exist_ok=True)
     _write_json(record, made)
+    return dropped
 
 
 def _progress(console: Console) -> Progress:
@@ -462,16 +474,21 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
     start = load_head(opts.init) if opts.init else None
     if start is not None:  # before any work: a head for another model is refused
         check_fits(start, spec, embeddings, Path(opts.init))
+    tokenizer = Tokenizer.from_dir(source.tokenizer_dir)
+    if opts.synthesize:  # before the target is exported (a minute) and --work is made
+        data.check_chat(tokenizer)
+    if prompts:
+        data.check_lengths(tokenizer, prompts, opts.max_new_tokens, spec.max_positions)
     prompts = prompts or data.builtin_prompts()
     asked = task_requests(opts.seed, opts.tasks, texts or (), opts.task_chars) \
         if opts.tasks else []
-    claim_work(work, {"target": _digest(fingerprint(embeddings).round(3).tolist()),
-                      "prompts": _digest(prompts + asked), "text": _digest(texts or []),
-                      "init": opts.init and sha256(Path(opts.init))[:16]}, opts)
+    for dropped in claim_work(work, {
+            "target": _digest(fingerprint(embeddings).round(3).tolist()),
+            "prompts": _digest(prompts + asked), "text": _digest(texts or []),
+            "init": opts.init and sha256(Path(opts.init))[:16]}, opts):
+        console.print(f"note: {dropped}.")
     target = (FloatTarget(source, opts.device, opts.gen_batch) if opts.reader == "float"
               else ExportedTarget(source, console))
-    if opts.synthesize:
-        data.check_chat(target.tokenizer)
     convs = conversations(target, prompts + asked, opts, work, console)
     convs = tails(convs, len(prompts), len(asked), opts.task_tail)
     read = read_text(target, texts, opts, work, console) if texts else []
@@ -559,6 +576,11 @@ def train_draft(source: Source, out: Path, work: Path, prompts: list[str] | None
         card["init"] = {"file": Path(opts.init).name, "card": start.card}
     result = DraftHead(config, {k: v.numpy() for k, v in head.export_weights().items()},
                        kept, fingerprint(embeddings), card)
+    half = float(np.finfo(np.float16).max)  # the head is saved in float16
+    if not all(np.isfinite(v).all() and np.abs(v).max() <= half for v in result.weights.values()):
+        raise EdgespecError(f"the training diverged (loss {recent[0]:.3g}): the head's weights "
+                            f"are not finite in float16, so {out} was not written; train again "
+                            f"with a lower --lr than {opts.lr:g} and another --work.")
     result.save(out)
     (out.with_suffix(".json")).write_text(json.dumps(card, indent=2) + "\n")
     return result
