@@ -126,9 +126,7 @@ def measure(bundle: Path, reference: Path, text: Path | None = None, ctx: int = 
     """`bundle`'s target against `reference`: a bundle, or a checkpoint directory or
     GGUF file, exported here in fp32 (a GGUF file's weights dequantized) for the purpose."""
     model = _target(bundle)
-    if ctx > model[1].max_positions:
-        raise EdgespecError(f"--ctx {ctx} is longer than the model's context of "
-                            f"{model[1].max_positions} tokens; give a smaller --ctx.")
+    fits(model, ctx, "the model")
     text = text or DEFAULT_TEXT
     if not text.is_file():
         raise EdgespecError(f"the text {text} is not a file; pass --text FILE.")
@@ -143,7 +141,7 @@ def measure(bundle: Path, reference: Path, text: Path | None = None, ctx: int = 
         console.print(f"note: the text holds {len(pieces)} chunks of {ctx} tokens, fewer "
                       f"than the {chunks} asked; scoring those.", highlight=False)
     if (reference / MANIFEST).is_file():
-        return compare(model, _target(reference), pieces)
+        return compare(model, fits(_target(reference), ctx, "the reference"), pieces)
     if not reference.exists():
         raise EdgespecError(f"the reference {reference} does not exist; pass a bundle, a "
                             "checkpoint directory or a .gguf file.")
@@ -153,7 +151,15 @@ def measure(bundle: Path, reference: Path, text: Path | None = None, ctx: int = 
     with tempfile.TemporaryDirectory(prefix="edgespec-reference-") as tmp:
         export(reference, Path(tmp) / "fp32", precision="fp32", requantize=True,
                console=console, summary=False)
-        return compare(model, _target(Path(tmp) / "fp32"), pieces)
+        return compare(model, fits(_target(Path(tmp) / "fp32"), ctx, "the reference"), pieces)
+
+
+def fits(model: tuple[Path, ModelEntry], ctx: int, which: str) -> tuple[Path, ModelEntry]:
+    """`model`, once a chunk of `ctx` tokens is known to fit its context."""
+    if ctx > model[1].max_positions:
+        raise EdgespecError(f"--ctx {ctx} is longer than {which}'s context of "
+                            f"{model[1].max_positions} tokens; give a smaller --ctx.")
+    return model
 
 
 def table(q: Quality, title: str):

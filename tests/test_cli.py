@@ -295,6 +295,13 @@ def test_quality_refuses_bad_input(tmp_path, demo_target):
     demo = str(demo_bundle())
     assert_user_error(run("quality", demo, "--reference", demo, "--ctx", "1024"),
                       "--ctx 1024 is longer than the model's context of 512")
+    short = tmp_path / "short"  # a reference of a shorter context: it was told to shorten
+    shutil.copytree(demo, short)  # a prompt or max_new_tokens, which quality has not
+    manifest = json.loads((short / MANIFEST).read_text())
+    manifest["target"]["max_positions"] = 256
+    (short / MANIFEST).write_text(json.dumps(manifest))
+    assert_user_error(run("quality", demo, "--reference", str(short), "--ctx", "300"),
+                      "--ctx 300 is longer than the reference's context of 256")
     # another model's vocabulary is told from its config alone, before any export (which
     # would stop at this folder's missing weights)
     (tmp_path / "other").mkdir()
