@@ -134,6 +134,8 @@ def test_retrim_an_exported_bundle(tmp_path, demo_target, demo_draft, precision)
     import sys
 
     export(demo_target, tmp_path / "b", draft=demo_draft, precision=precision)
+    with pytest.raises(EdgespecError, match="--k 100000 is at or past the vocabulary's 4096"):
+        retrim_bundle(tmp_path / "b", 100000)  # it spoke of re-exporting to keep 100000
     full = edgespec.load(tmp_path / "b")
     ids = [0, 17, 300, 41]
     full_logits = full.draft.forward(ids)

@@ -203,6 +203,11 @@ def retrim_bundle(bundle: Path, k: int, source: str = "target",
                             "to draft among fewer.")
     current = (np.load(bundle / m.vocab_map) if m.vocab_map
                else np.arange(m.draft.vocab_size))
+    vocab = m.target.vocab_size
+    if k >= vocab:
+        raise EdgespecError(f"--k {k} is at or past the vocabulary's {vocab} tokens; give a K "
+                            f"below {len(current)} (the tokens the draft's LM head keeps now) "
+                            "to trim it.")
     if k == len(current):
         raise EdgespecError(f"the draft's LM head already keeps {k} tokens; nothing to trim.")
     if k > len(current):
