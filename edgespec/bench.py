@@ -106,8 +106,12 @@ def run_bench(engine: Engine, prompts: list[dict[str, Any]], max_new_tokens: int
         try:
             engine.generate("x", replace(config, max_new_tokens=4))
         except EdgespecError as e:  # a mode this bundle's drafter does not support
-            skipped[name] = str(e)
+            skipped[name] = (str(e) if config.mode != "spec" or engine.draft is not None else
+                             "this model has no draft (export it with --draft), so only ar "
+                             "and lookup run.")  # the engine's sentence speaks of --mode spec
             del configs[name]
+    if set(modes) - {"ar"} and list(configs) == ["ar"]:  # what was asked for ran nowhere
+        raise EdgespecError(f"no mode asked for can run here: {' '.join(skipped.values())}")
     names = list(configs)
     ids = [prompt_ids(engine.tokenizer, p) for p in prompts]
     cut = sum(len(x) > keep for x in ids)
