@@ -226,8 +226,12 @@ def test_a_model_without_a_chat_template_is_said_at_once(browser, tmp_path, demo
     with running(create_app(edgespec.load(tmp_path / "b"), MODEL)) as url:
         browser.get(url + "/")
         wait(browser, lambda: "no chat template" in by_id(browser, "error").text)
-        by_id(browser, "new-chat").click()  # clears the banner, not the page's knowledge
-        ask(browser, QUESTION)
+        assert not by_id(browser, "send").is_enabled()  # it never looks ready to chat
+        by_id(browser, "new-chat").click()  # it cleared the banner, and Send was on
+        assert "no chat template" in by_id(browser, "error").text
+        assert not by_id(browser, "send").is_enabled()
+        browser.execute_script("document.getElementById('error').textContent = ''")
+        ask(browser, QUESTION)  # Enter still submits: told again
         wait(browser, lambda: "no chat template" in by_id(browser, "error").text)
         sent = browser.execute_script("return performance.getEntriesByType('resource')"
                                       ".filter(e => e.name.endsWith('/v1/chat/completions'))"

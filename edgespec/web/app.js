@@ -11,7 +11,7 @@ const NO_CHAT = "This model has no chat template, so this page cannot chat with 
 
 function setBusy(busy) {
   document.body.dataset.state = busy ? "streaming" : "idle";
-  $("send").disabled = busy;
+  $("send").disabled = busy || !state.chat; // a model without a chat template never can
   $("stop").disabled = !busy;
 }
 
@@ -165,6 +165,7 @@ async function connect() {
     $("mode").value = health.default_mode;
     $("key-label").hidden = !health.auth;
     state.chat = health.chat;
+    setBusy(Boolean(state.controller));
     if (!health.chat) {
       showError(NO_CHAT);
     } else if (health.auth && !$("api-key").value) {
@@ -215,7 +216,7 @@ function init() {
     if (state.controller) state.controller.abort();
     state.history = [];
     $("log").replaceChildren();
-    showError("");
+    showError(state.chat ? "" : NO_CHAT); // a new chat cannot chat either
   });
   setBusy(false);
   connect();
