@@ -199,7 +199,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         return error_response(500, f"internal error ({type(e).__name__}); see the server's "
                               "log.", kind="server_error")
 
-    @app.get("/", include_in_schema=False)
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)  # curl -I too
     async def page() -> FileResponse:
         return FileResponse(WEB / "index.html", headers=PAGE_HEADERS)
 

@@ -386,3 +386,5 @@ def test_page_is_public_and_self_contained(server):
     assert r.status_code == 200 and "text/html" in r.headers["content-type"]
     assert "default-src 'self'" in r.headers["content-security-policy"]
     assert "http" not in r.text.replace("http-equiv", "")  # nothing fetched from elsewhere
+    head = httpx.head(f"{server}/")  # curl -I: it was a 405
+    assert head.status_code == 200 and head.headers["content-type"] == r.headers["content-type"]

@@ -60,9 +60,9 @@ def is_gguf(path: Path) -> bool:
 def _hf_source(name: str | Path, trust_remote_code: bool) -> Source:
     path = resolve_checkpoint(name, trust_remote_code)
     if (path / "edgespec.json").is_file():
-        raise EdgespecError(f"{path} is an edgespec bundle, which is exported already; run it "
-                            "with --model, or export the checkpoint or .gguf file it came "
-                            "from.")
+        raise EdgespecError(f"{path} is an edgespec bundle, which is exported already; give "
+                            "the checkpoint or .gguf file it came from (a bundle itself runs "
+                            "as --model).")
     if not (path / "config.json").is_file():
         raise EdgespecError(f"{path} has no config.json; pass a Hugging Face checkpoint "
                             "directory, a Hub id or a .gguf file.")
