@@ -119,6 +119,12 @@ mode_option = click.option("--mode", type=click.Choice(["ar", "spec", "lookup"])
                                 "lookup: prompt-lookup drafting.")
 
 
+def report_console() -> Console:
+    """Where tables go: a terminal's width, or in a file or pipe wide enough that no
+    column is cut (rich takes 80 there, and cut the bench table's names to `summari…`)."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def _counted(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
@@ -266,7 +272,7 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
     if as_json:
         click.echo(json.dumps(q.as_dict()))
     else:
-        Console().print(table(q, f"{bundle} vs {reference}"))
+        report_console().print(table(q, f"{bundle} vs {reference}"))
 
 
 @cli.command("train-draft")
@@ -352,10 +358,16 @@ def train_draft(target: str, out: Path, work: Path | None, prompts: Path | None,
                         device=device, reader="float" if device == "cuda" else "exported",
                         gen_batch=gen_batch)
     text = read_texts(list(texts)) if texts else None
-    with source_scratch() as scratch:
-        source = open_source(target, scratch)
-        head = run(source, out, work or out.with_name(out.stem + ".work"),
-                   read_prompts(prompts) if prompts else None, opts, console=err, texts=text)
+    work = work or out.with_name(out.stem + ".work")
+    try:
+        with source_scratch() as scratch:
+            source = open_source(target, scratch)
+            head = run(source, out, work, read_prompts(prompts) if prompts else None, opts,
+                       console=err, texts=text)
+    except KeyboardInterrupt:
+        if work.is_dir():  # what it made is kept there
+            err.print(f"stopped; the same command resumes from what {work} keeps.")
+        raise
     err.print(f"wrote {out}: {head.params / 1e6:.2f} M parameters, {len(head.kept)} tokens; "
               f"card in {out.with_suffix('.json')}.")
 
@@ -759,7 +771,7 @@ def bench(model: str | None, runtime: dict, as_json: bool, prompt_set: str,
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:
-        print_table(report, Console())
+        print_table(report, report_console())
 
 
 @cli.command()
@@ -785,7 +797,7 @@ def plan(bundle: Path | None, gpu_memory: int | None, context: int, bandwidth: i
     if as_json:
         click.echo(json.dumps(plan_dict(result, assumed), indent=1))
     else:
-        print_plan(result, assumed, Console(), limited=result.context < context)
+        print_plan(result, assumed, report_console(), limited=result.context < context)
 
 
 @cli.command()

@@ -346,6 +346,15 @@ def test_bench_json_runs_every_mode_losslessly():
 
 
 
+def test_bench_table_in_a_file_keeps_every_name_whole():
+    """Out of a terminal rich draws 80 columns, and cut `summarization` to `summari…`."""
+    out = run("bench", "--limit", "1", "--max-new-tokens", "4", "--temperature", "0",
+              "--mode", "ar", "--mode", "adaptive")
+    assert out.returncode == 0, out.stderr
+    assert "…" not in out.stdout and "chain adaptive" in out.stdout
+    assert "tokens/pass" in out.stdout and "acceptance" in out.stdout
+
+
 def test_bench_says_what_it_cut_to_fit_the_context():
     out = run("bench", "--limit", "1", "--category", "chat", "--mode", "ar", "--temperature",
               "0", "--max-new-tokens", "500", "--json")

@@ -4,6 +4,7 @@ exported head graph against its PyTorch definition, and heads in real bundles.""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -1387,3 +1388,44 @@ def test_a_training_that_diverges_writes_no_head(tiny, tmp_path, monkeypatch):
         trainer.train_draft(open_source(tiny[0], tmp_path / "src"), tmp_path / "h.npz",
                             tmp_path / "w", ["def f(x):"], opts)
     assert not (tmp_path / "h.npz").exists() and not (tmp_path / "h.npz.part").exists()
+
+
+def test_text_files_are_read_or_refused_by_what_they_hold(tmp_path):
+    """A blank file was told to be "UTF-8 files (.c .cpp ... .txt)", which it was."""
+    from edgespec.errors import EdgespecError
+    from edgespec.train.data import read_texts
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "d" / "latin.txt").write_bytes("café".encode("latin-1"))  # skipped in a folder
+    assert read_texts([tmp_path / "d"]) == ["def f(x):\n    return x\n"]
+    with pytest.raises(EdgespecError, match="cannot read .*latin.txt as text"):
+        read_texts([tmp_path / "d" / "latin.txt"])  # refused when named
+    (tmp_path / "blank.txt").write_text(" \n\n")
+    with pytest.raises(EdgespecError, match="found only blank files in .*blank.txt; give it"):
+        read_texts([tmp_path / "blank.txt"])
+    (tmp_path / "e").mkdir()
+    with pytest.raises(EdgespecError, match="--text found no text in .*; pass UTF-8 files"):
+        read_texts([tmp_path / "e"])
+
+
+def test_ctrl_c_in_train_draft_says_the_run_resumes(tiny, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    work = tmp_path / "h.work"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edgespec.cli", "train-draft", str(tiny[0]), "--out",
+         str(tmp_path / "h.npz"), "--steps", "100000", "--kept", "256", "--max-new-tokens", "8"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ,
+                                                "EDGESPEC_CACHE": str(tmp_path / "cache")})
+    deadline = time.time() + 300
+    while not (work / "head.pt").exists() and time.time() < deadline:  # training, saved
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert f"stopped; the same command resumes from what {work} keeps." in err
+    assert "Traceback" not in err and not (tmp_path / "h.npz").exists()

@@ -167,6 +167,9 @@ def read_texts(paths: list[Path]) -> list[str]:
                 if f is path:
                     raise EdgespecError(f"cannot read {f} as text ({e}); pass UTF-8 text "
                                         "files to --text.") from None
+    if out and not any(text.strip() for text in out):
+        raise EdgespecError("--text found only blank files in " + ", ".join(map(str, paths)) +
+                            "; give it files with text.")
     if not any(text.strip() for text in out):
         raise EdgespecError("--text found no text in " + ", ".join(map(str, paths)) +
                             "; pass UTF-8 files (" + " ".join(sorted(TEXT_SUFFIXES)) +
