@@ -275,10 +275,14 @@ def test_a_gguf_file_exports_for_directml_as_it_is_and_says_what_bitnest_does(tm
     manifest = json.loads((tmp_path / "d" / "edgespec.json").read_text())
     assert manifest["ep_profile"] == "dml" and manifest["target"]["precision"] == "gguf"
     nested = cli("export", str(smollm2_gguf()), "--out", str(tmp_path / "n"), "--draft",
-                 "nested", "--precision", "int4")  # refused after the note, fast
+                 "nested", "--precision", "int4")  # a conflict: refused before any note
+    assert_user_error(nested, "--draft nested builds an int8 target")
+    gguf = str(smollm2_gguf())  # refused after the note (the file as --out), fast
+    nested = cli("export", gguf, "--out", gguf, "--overwrite", "--draft", "nested")
     lines = [line for line in nested.stderr.splitlines() if line.strip()]
     assert nested.returncode == 1 and len(lines) == 2, nested.stderr
     assert "re-quantizes" in lines[0] and "do not keep their GGUF types" in lines[0]
+    assert "which this export reads" in lines[1]
 
 
 def test_model_option_takes_a_gguf_file_and_exports_it_once(tmp_path, bundles):
