@@ -7,6 +7,7 @@ CPU, and the tree budget the offloaded passes make worth verifying.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ def plan_bundle(path: Path, gpu_memory: int | None, context: int,
     draft = (ModelSizes.of(path / m.draft.graph, m.draft)
              if m.draft and m.draft.graph != m.target.graph else None)
     plan = make_plan(sizes, budget, context, costs, draft)
+    if m.draft is None:  # no drafter grows a tree: the budget would only mislead
+        plan = replace(plan, tree_budget=0)
     if m.draft is not None and m.draft.kind == "eagle" and plan.offload != "none":
         whole = make_plan(sizes, 1 << 62, context, costs, draft).gpu_bytes
         raise EdgespecError(head_needs_whole_target(

@@ -272,6 +272,19 @@ def test_plan_command(demo_bundle, nested_bundle):
                       "does not use CUDA")
 
 
+def test_a_draftless_bundle_is_planned_without_a_tree(tmp_path, demo_target):
+    """No drafter grows a tree there: the plan showed "tree budget 2" all the same."""
+    from edgespec.export import export
+
+    export(demo_target, tmp_path / "b", draft="none")
+    r = run("plan", str(tmp_path / "b"), "--gpu-memory", "3MiB", "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["offload"] != "none" and got["tree_budget"] == 0
+    table = run("plan", str(tmp_path / "b"), "--gpu-memory", "3MiB")
+    assert "resident" in table.stdout and "tree budget" not in table.stdout
+
+
 def test_device_auto_reports_the_cpu_here():
     r = run("generate", "def f(", "--max-new-tokens", "4", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["stats"]["device"] == "cpu"

@@ -164,7 +164,7 @@ class Plan:
     placements: list[Placement]
     resident_layers: int
     offload: str  # "none", "streamed" or "cpu"
-    tree_budget: int  # 0: no tree (nothing offloaded)
+    tree_budget: int  # 0: no tree (nothing offloaded, or no draft to grow one)
     pass_s: dict[int, float] = field(default_factory=dict)  # target pass time by tokens
     draft_device: str | None = None  # None: no draft of its own
     context: int = 0  # tokens of KV cache planned for
@@ -181,7 +181,8 @@ class Plan:
             return f"everything on the GPU ({fmt_bytes(self.gpu_bytes)})"
         n, layers = self.resident_layers, self.placements[-1].start - 1  # head: unit L+1
         rest = f"the rest {self.offload}" if n < layers else "the embedding in host memory"
-        return f"{n} target layer{'s' * (n != 1)} resident, {rest}; tree budget {self.tree_budget}"
+        tree = f"; tree budget {self.tree_budget}" if self.tree_budget else ""
+        return f"{n} target layer{'s' * (n != 1)} resident, {rest}{tree}"
 
 
 def expected_tokens(budget: int, acceptance: float) -> float:
