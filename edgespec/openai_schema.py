@@ -24,19 +24,29 @@ class UnsupportedError(ValueError):
         self.param = param
 
 
-def _surrogate_free(value: Any, where: str = "body") -> None:
+class NotUnicode(ValueError):
+    """A field holding a lone surrogate; `where` is the field as the API spells it (the
+    server's 422 names it as its param)."""
+
+    def __init__(self, where: str):
+        super().__init__(f"{where or 'the body'} is not valid Unicode (it holds a lone "
+                         "surrogate)")
+        self.where = where
+
+
+def _surrogate_free(value: Any, where: str = "") -> None:
     """JSON may spell lone surrogates ("\\ud800"); they are not text and cannot be
     tokenized or even written back in an error message."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"{where} is not valid Unicode (it holds a lone surrogate)"
-                             ) from None
+            raise NotUnicode(where) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             _surrogate_free(k, where)
-            _surrogate_free(v, f"{where}.{k}" if isinstance(k, str) else where)
+            _surrogate_free(v, (f"{where}.{k}" if where else k) if isinstance(k, str)
+                            else where)
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _surrogate_free(v, f"{where}[{i}]")

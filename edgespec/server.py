@@ -39,7 +39,13 @@ from starlette.staticfiles import StaticFiles
 from edgespec.engine import MODES, Engine, GenerationConfig
 from edgespec.errors import EdgespecError
 from edgespec.http_guard import MAX_BODY, Guard
-from edgespec.openai_schema import ChatRequest, CompletionRequest, Sampling, UnsupportedError
+from edgespec.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    NotUnicode,
+    Sampling,
+    UnsupportedError,
+)
 from edgespec.spec.logprobs import TokenLogprob
 from edgespec.tokenizer import NO_TEMPLATE
 
@@ -184,6 +190,9 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         if loc == ("body",) and first.get("type") != "value_error":
             return error_response(400, "the request body must be a JSON object.")
         message = str(first.get("msg")).removeprefix("Value error, ")
+        cause = (first.get("ctx") or {}).get("error")
+        if isinstance(cause, NotUnicode):  # raised over the whole body, of one field
+            return error_response(422, f"{cause}.", param=cause.where or None)
         if union:  # pydantic's message is the first alternative's: "a valid string"
             name = where.rsplit(".", 1)[-1].split("[")[0]
             message = f"must be {ACCEPTED.get(name, 'of another type')}."

@@ -245,15 +245,19 @@ def test_negative_seed(server, stream):
 
 
 # 9: lone surrogates and undecodable bytes are 4xx, not 500
-@pytest.mark.parametrize("path,raw", [
+@pytest.mark.parametrize("path,raw,param", [
     ("/v1/chat/completions",
-     b'{"model": "edgespec-demo", "messages": [{"role": "user", "content": "a\\ud800"}]}'),
-    ("/v1/completions", b'{"model": "edgespec-demo", "prompt": "\\udfff"}'),
-    ("/v1/completions", b'{"model": "edgespec-\\ud800", "prompt": "x"}'),
+     b'{"model": "edgespec-demo", "messages": [{"role": "user", "content": "a\\ud800"}]}',
+     "messages[0].content"),
+    ("/v1/completions", b'{"model": "edgespec-demo", "prompt": "\\udfff"}', "prompt"),
+    ("/v1/completions", b'{"model": "edgespec-\\ud800", "prompt": "x"}', "model"),
 ])
-def test_lone_surrogates_are_refused(server, path, raw):
+def test_lone_surrogates_are_refused(server, path, raw, param):
+    """Named as the field it is (the param was null, the message said body.prompt)."""
     r = post(server, path, content=raw)
-    assert r.status_code == 422 and "not valid Unicode" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert r.status_code == 422 and error["param"] == param, r.text
+    assert error["message"] == f"{param} is not valid Unicode (it holds a lone surrogate)."
 
 
 def test_invalid_utf8_body_is_a_400(server):
