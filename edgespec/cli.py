@@ -377,6 +377,7 @@ def _check_export_options(target: str, draft: str | None, precision: str,
                           requantize: bool, ep_profile: str, quant: str) -> None:
     """Options that would be silently ignored in this combination are refused instead,
     before any note about what the export will do."""
+    from edgespec.export.pipeline import NESTED_PROFILES
     from edgespec.export.source import is_gguf
 
     ctx = click.get_current_context()
@@ -384,9 +385,7 @@ def _check_export_options(target: str, draft: str | None, precision: str,
     draft_shapers = " and ".join(name for name, value in (("--vocab-trim", vocab_trim), (
         "--draft-precision", draft_precision)) if value)
     conflicts = [
-        (draft == "nested" and ep_profile == "dml",
-         "--draft nested works with the cpu and cuda profiles; leave out --ep-profile dml or "
-         "choose another draft."),
+        (draft == "nested" and ep_profile == "dml", NESTED_PROFILES),
         (ctx.get_parameter_source("nest") != click.core.ParameterSource.DEFAULT
          and draft != "nested",
          "--nest sets the codes of --draft nested, which this export does not make; add "

@@ -223,6 +223,10 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
 
     card = {"id": model_id, "object": "model", "created": created, "owned_by": "edgespec"}
 
+    def not_served(name: str) -> ApiError:
+        return ApiError(404, f"model '{name}' is not served here; this server serves "
+                        f"'{model_id}'.", param="model", code="model_not_found")
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [card]}
@@ -230,8 +234,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
     @app.get("/v1/models/{name:path}")  # OpenAI's retrieve; an id may hold a slash
     async def model(name: str) -> dict[str, Any]:
         if name != model_id:
-            raise ApiError(404, f"model '{name}' is not served here; this server serves "
-                           f"'{model_id}'.", param="model", code="model_not_found")
+            raise not_served(name)
         return card
 
     def config_for(req: Sampling, prompt_tokens: int, param: str,
@@ -420,8 +423,7 @@ def create_app(engine: Engine, model_id: str, api_key: str | None = None,
         """The model asked for first (a 404 before anything about the request's content),
         then what this server cannot do."""
         if req.model != model_id:
-            raise ApiError(404, f"model '{req.model}' is not served here; this server "
-                           f"serves '{model_id}'.", param="model", code="model_not_found")
+            raise not_served(req.model)
         try:
             req.unsupported()
         except UnsupportedError as e:

@@ -73,6 +73,10 @@ def _vocab(path: Path) -> dict[str, int]:
     return vocab
 
 
+NESTED_PROFILES = ("--draft nested works with the cpu and cuda profiles; leave out "
+                   "--ep-profile dml or choose another draft.")
+
+
 def check_tokenizer(src: Source) -> None:
     """What would otherwise fail only when the bundle runs: a tokenizer that cannot be read
     (exported as it was, and exported so again), or one making ids past the model's
@@ -308,10 +312,8 @@ def vocab_counts(graph: Path, target: ModelEntry, tokenizer_dir: Path, source: s
 
 def _vocab_to_keep(tmp: Path, target_dir: Path, target: ModelEntry, eos_ids: list[int],
                    k: int, source: str, prompts: list[str] | None,
-                   progress: Progress) -> np.ndarray | None:
-    """The draft head's rows to keep (None when K covers the whole vocabulary)."""
-    if k >= target.vocab_size:
-        return None
+                   progress: Progress) -> np.ndarray:
+    """The draft head's rows to keep (export refused a K covering the whole vocabulary)."""
     task = progress.add_task(f"vocab trim: counting tokens ({source})", total=None)
     counts = vocab_counts(tmp / target.graph, target, target_dir, source, prompts)
     progress.update(task, total=1, completed=1, description=f"vocab trim: keeping {k} tokens")
@@ -427,7 +429,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     if draft == "none" or head is not None:
         draft = None
     if nested and ep_profile == "dml":
-        raise EdgespecError("--draft nested works with the cpu and cuda profiles.")
+        raise EdgespecError(NESTED_PROFILES)
     if kv_cache not in KV_CACHES:
         raise EdgespecError(f"KV cache '{kv_cache}' is not one of {', '.join(KV_CACHES)}.")
     if kv_cache == "float16" and ep_profile == "cpu" and not kernels.for_export():

@@ -99,15 +99,14 @@ def check_lengths(tokenizer: Tokenizer, prompts: list[str], max_new_tokens: int,
                   positions: int) -> None:
     """Every prompt and its answer fit the positions the target is read at: one that did
     not failed the run after the answers before it, naming neither it nor the limit."""
-    room = min(positions, READ_POSITIONS) - max_new_tokens
+    limit = min(positions, READ_POSITIONS)
     for i, prompt in enumerate(prompts):
         n = len(prompt_ids(tokenizer, prompt))
-        if n > room:
+        if n + max_new_tokens > limit:
             raise EdgespecError(
                 f"prompt {i + 1} ({prompt[:40]!r}...) is {n} tokens, and with "
-                f"--max-new-tokens {max_new_tokens} it passes the "
-                f"{min(positions, READ_POSITIONS)} positions the target is read at; shorten "
-                "it or leave it out.")
+                f"--max-new-tokens {max_new_tokens} it passes the {limit} positions the "
+                "target is read at; shorten it or leave it out.")
 
 
 def prompt_ids(tokenizer: Tokenizer, prompt: str) -> list[int]:
@@ -167,10 +166,10 @@ def read_texts(paths: list[Path]) -> list[str]:
                 if f is path:
                     raise EdgespecError(f"cannot read {f} as text ({e}); pass UTF-8 text "
                                         "files to --text.") from None
-    if out and not any(text.strip() for text in out):
-        raise EdgespecError("--text found only blank files in " + ", ".join(map(str, paths)) +
-                            "; give it files with text.")
     if not any(text.strip() for text in out):
+        if out:
+            raise EdgespecError("--text found only blank files in " + ", ".join(map(str, paths))
+                                + "; give it files with text.")
         raise EdgespecError("--text found no text in " + ", ".join(map(str, paths)) +
                             "; pass UTF-8 files (" + " ".join(sorted(TEXT_SUFFIXES)) +
                             ") or directories holding them.")
