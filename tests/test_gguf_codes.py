@@ -27,7 +27,8 @@ from tests.real_models import gemma_gguf, smollm2_gguf
 
 T = GGMLQuantizationType
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # gguf-py quantizes these
-K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
+K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]  # random blocks
+HALVES_AT = {T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,)}  # float16 fields; else 0 (d, dmin)
 
 
 def run_graph(g: GraphBuilder, inputs: dict[str, np.ndarray], out: str,
@@ -61,18 +62,25 @@ def assert_bitwise(a: np.ndarray, b: np.ndarray) -> None:
     assert np.all(same | ((a == 0) & (b == 0)))
 
 
-def k_quant_blocks(qtype: GGMLQuantizationType, rows: int, rng: np.random.Generator
-                   ) -> np.ndarray:
-    """Random K-quant super-blocks whose float16 scales are realistic (1e-3..3e-2), so
-    the products and minimums are the magnitudes real files hold."""
-    _, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(rows, 2 * size), dtype=np.uint8).reshape(rows, 2, size)
-    halves = rng.uniform(1e-3, 3e-2, size=(rows, 2, 2)).astype(np.float16).view(np.uint8)
-    if qtype == T.Q6_K:
-        raw[..., 208:210] = halves[..., :2]
-    else:  # d and dmin lead the block
-        raw[..., 0:4] = halves
+def k_quant_blocks(qtype: GGMLQuantizationType, rows: int, rng: np.random.Generator,
+                   width: int = 512) -> np.ndarray:
+    """Random blocks (`width` values a row) whose float16 scales are realistic
+    (1e-3..3e-2), so the products and minimums are the magnitudes real files hold."""
+    values, size = GGML_QUANT_SIZES[qtype]
+    per_row = width // values
+    raw = rng.integers(0, 256, size=(rows, per_row, size), dtype=np.uint8)
+    for at in HALVES_AT.get(qtype, (0, 2) if qtype in (T.Q4_K, T.Q5_K) else (0,)):
+        raw[..., at:at + 2] = rng.uniform(1e-3, 3e-2, size=(rows, per_row, 1)).astype(
+            np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
+
+
+def blocks_of(qtype: GGMLQuantizationType, rows: int, rng: np.random.Generator) -> np.ndarray:
+    """Rows of 512 values: gguf-py's quantization of random weights where it has one,
+    realistic random blocks otherwise."""
+    if qtype in QUANTIZABLE:
+        return quants.quantize(rng.standard_normal((rows, 512)).astype(np.float32) * 0.05, qtype)
+    return k_quant_blocks(qtype, rows, rng)
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda t: t.name)
@@ -93,6 +101,30 @@ def test_k_quants_from_random_blocks_are_exact(qtype):
     ref = quants.dequantize(blocks, qtype)
     assert_bitwise(dequantize(encode(blocks, qtype)), ref)
     assert_bitwise(effective_weights(blocks, qtype), ref)
+
+
+@pytest.mark.parametrize("qtype", [t for t in ENCODINGS if encode(blocks_of(
+    t, 1, np.random.default_rng(0)), t).block_size == 32], ids=lambda t: t.name)
+def test_blocks_of_32_on_the_own_kernel_compute_with_gguf_pys_weights(qtype):
+    """On the cpu profile, block-of-32 types run on edgespec's kernel (int8 activations):
+    its product is that of gguf-py's dequantized weights and the activations as the
+    kernel quantizes them (numpy, float64), to float rounding."""
+    from edgespec import kernels
+    from tests.test_kernels import quantized
+
+    blocks = blocks_of(qtype, 48, np.random.default_rng(int(qtype)))
+    q = encode(blocks, qtype)
+    g = GraphBuilder("int8", q.block_size, accuracy_level=4)
+    g.own_kernel = True
+    out = g.linear("x", q, "probe")
+    assert any(n.domain == kernels.DOMAIN for n in g.nodes)
+    graph = helper.make_graph(g.nodes, "probe", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, None)], [helper.make_tensor_value_info(
+            out, TensorProto.FLOAT, None)], initializer=g.inits)
+    x = np.random.default_rng(1).standard_normal((1, 5, q.k)).astype(np.float32)
+    y = kernels.op_session(graph, 2).run(None, {"x": x})[0][0]
+    exact = quantized(x[0]) @ quants.dequantize(blocks, qtype).astype(np.float64).T
+    assert np.abs(y - exact).max() < 2e-6 * np.abs(exact).max()
 
 
 def test_every_supported_type_is_probed():
@@ -121,15 +153,12 @@ def test_real_tensors_are_exact(path, name):
     assert_bitwise(effective_weights(np.asarray(t.data), t.tensor_type), ref)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q5_0, T.Q2_K, T.Q3_K,
+                                   T.IQ4_XS], ids=lambda t: t.name)
 def test_embedding_rows_gathered_from_codes_are_exact(qtype):
     """The tied head's codes serve as the embedding table: the gathered rows are the
     dequantized rows, bitwise."""
-    rng = np.random.default_rng(7)
-    if qtype in K_QUANTS:
-        blocks = k_quant_blocks(qtype, 64, rng)
-    else:
-        blocks = quants.quantize(rng.standard_normal((64, 256)).astype(np.float32), qtype)
+    blocks = blocks_of(qtype, 64, np.random.default_rng(7))
     q = encode(blocks, qtype)
     g = GraphBuilder("int8", q.block_size, accuracy_level=0)
     out = g.gather_rows(q, "ids", "embed")

@@ -319,10 +319,13 @@ def test_model_option_takes_a_gguf_file_and_exports_it_once(tmp_path, bundles):
 
 
 def tiny_gguf(path: Path, arch: str = "llama", qtype=gguf.GGMLQuantizationType.Q8_0,
-              tokenizer: bool = True) -> Path:
-    """A small but well-formed GGUF file (2 layers, d 64) written with gguf-py."""
+              tokenizer: bool = True, d: int = 64) -> Path:
+    """A small but well-formed GGUF file (2 layers, d 64) written with gguf-py; the types
+    gguf-py cannot quantize get random blocks with realistic scales."""
+    from tests.test_gguf_codes import k_quant_blocks
+
     w = gguf.GGUFWriter(path, arch)
-    d, ff, vocab = 64, 128, 300
+    ff, vocab = 2 * d, 300
     w.add_block_count(2)
     w.add_context_length(128)
     w.add_embedding_length(d)
@@ -345,16 +348,15 @@ def tiny_gguf(path: Path, arch: str = "llama", qtype=gguf.GGMLQuantizationType.Q
         data = rng.standard_normal(shape).astype(np.float32) * 0.05
         if kind == gguf.GGMLQuantizationType.F32 or len(shape) == 1:
             w.add_tensor(name, data)
-        elif kind == gguf.GGMLQuantizationType.Q2_K:  # gguf-py cannot quantize K-quants
-            raw = rng.integers(0, 256, (shape[0], shape[1] // 256 * 84), dtype=np.uint8)
-            w.add_tensor(name, raw, raw_dtype=kind)
+        elif kind.name.startswith("IQ") or kind.name.endswith("_K"):  # gguf-py cannot quantize
+            w.add_tensor(name, k_quant_blocks(kind, shape[0], rng, shape[1]), raw_dtype=kind)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
 
     tensor("token_embd.weight", (vocab, d), gguf.GGMLQuantizationType.Q8_0)
     tensor("output_norm.weight", (d,))
     for i in range(2):
-        for name, shape in (("attn_q", (d, d)), ("attn_k", (32, d)), ("attn_v", (32, d)),
+        for name, shape in (("attn_q", (d, d)), ("attn_k", (d // 2, d)), ("attn_v", (d // 2, d)),
                             ("attn_output", (d, d)), ("ffn_gate", (ff, d)),
                             ("ffn_up", (ff, d))):
             tensor(f"blk.{i}.{name}.weight", shape)
@@ -388,6 +390,28 @@ def test_a_tiny_well_formed_file_exports_and_runs(tmp_path):
 
 
 
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
+                                   gguf.GGMLQuantizationType.IQ4_NL,
+                                   gguf.GGMLQuantizationType.IQ4_XS], ids=lambda t: t.name)
+def test_files_of_the_low_bit_types_export_with_their_own_weights(tmp_path, qtype):
+    """Q2_K and Q3_K (blocks of 16, MatMulNBits) and IQ4's table codes (blocks of 32, the
+    own kernel): with float32 activations the logits are transformers' own from the file,
+    and the default export's (int8 activations) are close and batch invariant."""
+    from edgespec.runtimes.exactness import measure
+
+    path = tiny_gguf(tmp_path / "tiny.gguf", qtype=qtype, d=256)
+    _, model = hf(path)
+    ids = list(range(3, 40))
+    ref = reference_logits(model, ids)
+    export(path, tmp_path / "acc0", accuracy_level=0)
+    assert np.abs(bundle_logits(tmp_path / "acc0", ids) - ref).max() < 1e-4
+    export(path, tmp_path / "b")
+    assert kl_top1(ref, bundle_logits(tmp_path / "b", ids))[0] < 0.01
+    with edgespec.load(tmp_path / "b", device="cpu") as engine:
+        got = measure(engine.target, ids[:20], ids[20:37], trees=())
+        assert got.chain == got.prefill == {5: 0.0, 17: 0.0}
+
+
 def test_load_takes_a_gguf_file_and_exports_it_once(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
     path = tiny_gguf(tmp_path / "tiny.gguf")
@@ -404,7 +428,7 @@ def test_load_takes_a_gguf_file_and_exports_it_once(tmp_path, monkeypatch):
     ("truncated", "damaged or truncated"),
     ("not-gguf", "not a GGUF file"),
     ("unknown-arch", "architecture 'mamba' is not supported"),
-    ("unsupported-type", "is Q2_K, which edgespec cannot hold exactly"),
+    ("unsupported-type", "is IQ3_S, which edgespec cannot hold exactly"),
     ("no-tokenizer", "carries no tokenizer"),
 ])
 def test_bad_gguf_files_are_refused_in_one_sentence(tmp_path, case, expected):
@@ -416,7 +440,7 @@ def test_bad_gguf_files_are_refused_in_one_sentence(tmp_path, case, expected):
     elif case == "unknown-arch":
         tiny_gguf(path, arch="mamba")
     elif case == "unsupported-type":
-        tiny_gguf(path, qtype=gguf.GGMLQuantizationType.Q2_K)
+        tiny_gguf(path, qtype=gguf.GGMLQuantizationType.IQ3_S, d=256)
     else:
         tiny_gguf(path, tokenizer=False)
     before = sorted(tmp_path.iterdir())

@@ -7,7 +7,7 @@ own kernel reads each weight block once for all rows, quantizes activations per 
 block of 32 to int8 as llama.cpp does for these types, applies scale and offset inside,
 and gives every row bitwise the same result whatever the number of rows (blockq.h).
 
-It takes any block-of-32 encoding with 4- or 8-bit codes (GGUF Q4_0, Q4_1, Q4_K, Q5_*,
+It takes any block-of-32 encoding with 4- or 8-bit codes (GGUF Q4_0, Q4_1, Q4_K, Q5_*, IQ4_*,
 Q8_0; edgespec's own int4/int8) as codes u, scale s and offset o per block:
 w = s·u + o, o = m - z·s for the encoding's zero point z and minimum m. Codes are stored
 in the kernel's tiled layout (5-bit values as GGUF keeps them: 4-bit low parts and 1-bit

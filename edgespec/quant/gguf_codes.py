@@ -7,12 +7,15 @@ features), and returns a `QuantizedWeight`: codes u, scales s, zero points z and
 the types with a minimum, a float m per block, so that w = (u - z) · s (+ m).
 
 - 4-bit values stay 4-bit; 5- and 6-bit values become 8-bit codes (MatMulNBits has no
-  5/6-bit kernel); K-quants' sub-blocks (32, or 16 for Q6_K) are the MatMulNBits blocks.
+  5/6-bit kernel); K-quants' sub-blocks (32, or 16 for Q2_K, Q3_K and Q6_K) are the
+  MatMulNBits blocks. 2- and 3-bit values are held as 4-bit codes.
+- IQ4_NL/IQ4_XS pick each weight from a table of 16 integers (IQ4_NL's `kvalues`), not a
+  step of a linear grid: they become 8-bit codes holding that table's value + 128.
 - Scales and minimums keep GGUF's storage (float16, or a float16 per super-block times a
   small integer per sub-block) in `stored`, so the graph can hold them at GGUF's size.
 
-Types not listed (IQ*, TQ*, Q2_K, Q3_K, Q8_K, ...) have codes or lookup grids that no
-MatMulNBits encoding reproduces exactly.
+Types not listed (IQ1-IQ3, TQ*, Q8_K, ...) pick groups of weights from lattice codebooks
+and signs that no MatMulNBits encoding reproduces exactly.
 """
 
 from __future__ import annotations
@@ -157,6 +160,58 @@ def q6_k(blocks: np.ndarray) -> QuantizedWeight:  # ql[128], qh[64], int8 sc[16]
     return _weight(codes, 8, 16, 32, (_f16(blocks, 208), sc), high_bits=2)
 
 
+def _k_16(values: np.ndarray) -> np.ndarray:
+    """K-quants' 2-bit planes: each 32-byte chunk holds four 32-value rows, 2 bits each,
+    low bits first -> the super-block's 16 sub-blocks of 16 values, [N, G, 16, 16]."""
+    n, g = values.shape[:2]
+    planes = values.reshape(n, g, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    return (planes & 0x03).reshape(n, g, 16, 16)
+
+
+def q2_k(blocks: np.ndarray) -> QuantizedWeight:  # scales[16] (sc | m << 4), qs[64], d, dmin
+    """w = d·sc·q - dmin·m per sub-block of 16, q in 0..3."""
+    n, g = blocks.shape[:2]
+    packed = blocks[..., :16]
+    return _weight(_k_16(blocks[..., 16:80]).reshape(n, g * 16, 16), 4, 16, 0,
+                   (_f16(blocks, 80), packed & 0x0F), (-_f16(blocks, 82), packed >> 4), levels=4)
+
+
+def q3_k(blocks: np.ndarray) -> QuantizedWeight:  # hmask[32], qs[64], scales[12], d
+    """w = d·(sc - 32)·q, q in -4..3: 2 low bits in qs, and -4 where hmask's bit is 0."""
+    n, g = blocks.shape[:2]
+    high = (blocks[..., None, :32] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., 8, 32]
+    codes = _k_16(blocks[..., 32:96]) | (high.reshape(n, g, 16, 16) << 2)  # q + 4
+    low, top = blocks[..., 96:104], blocks[..., 104:108]
+    sc = np.concatenate([low & 0x0F, low >> 4], axis=-1) | (np.concatenate(
+        [top >> s for s in (0, 2, 4, 6)], axis=-1) & 0x03) << 4
+    return _weight(codes.reshape(n, g * 16, 16), 4, 16, 4,
+                   (_f16(blocks, 108), sc.astype(np.int8) - np.int8(32)))
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                       113], np.int16)  # gguf-py's IQ4_NL.kvalues
+
+
+def _iq4_codes(qs: np.ndarray) -> np.ndarray:
+    """IQ4's 4-bit table indices (the Q4_0 nibble layout) -> 8-bit codes, table value + 128."""
+    return (IQ4_VALUES[_nibbles(qs)] + 128).astype(np.uint8)
+
+
+def iq4_nl(blocks: np.ndarray) -> QuantizedWeight:  # d, qs[16]; w = d·kvalues[q]
+    return _weight(_iq4_codes(blocks[..., 2:]), 8, 32, 128, (_f16(blocks, 0),))
+
+
+def iq4_xs(blocks: np.ndarray) -> QuantizedWeight:  # d, scales_h u16, scales_l[4], qs[128]
+    n, g = blocks.shape[:2]
+    low = blocks[..., 4:8]
+    high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)  # [N, G, 1]
+    ls = np.concatenate([low[..., :, None] & 0x0F, low[..., :, None] >> 4], axis=-1).reshape(
+        n, g, 8) | ((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 0x03).astype(np.uint8) << 4
+    codes = _iq4_codes(blocks[..., 8:].reshape(n, g, 8, 16))
+    return _weight(codes.reshape(n, g * 8, 32), 8, 32, 128,
+                   (_f16(blocks, 0), ls.astype(np.int8) - np.int8(32)))
+
+
 ENCODINGS: dict[GGMLQuantizationType, Callable[[np.ndarray], QuantizedWeight]] = {
     GGMLQuantizationType.Q8_0: q8_0,
     GGMLQuantizationType.Q4_0: q4_0,
@@ -166,6 +221,10 @@ ENCODINGS: dict[GGMLQuantizationType, Callable[[np.ndarray], QuantizedWeight]] =
     GGMLQuantizationType.Q4_K: q4_k,
     GGMLQuantizationType.Q5_K: q5_k,
     GGMLQuantizationType.Q6_K: q6_k,
+    GGMLQuantizationType.Q2_K: q2_k,
+    GGMLQuantizationType.Q3_K: q3_k,
+    GGMLQuantizationType.IQ4_NL: iq4_nl,
+    GGMLQuantizationType.IQ4_XS: iq4_xs,
 }
 
 
