@@ -178,6 +178,19 @@ def test_stored_parts_keep_the_file_size():
     assert stored <= blocks.nbytes * 1.01
 
 
+@pytest.mark.parametrize("qtype", [T.IQ4_NL, T.IQ4_XS], ids=lambda t: t.name)
+def test_iq4_stays_four_bits_a_weight_on_the_own_kernel(qtype):
+    """IQ4's indices are what the kernel reads (it looks the codes up itself), so the
+    graph's constants are the file's size, not the 8-bit codes MatMulNBits would take."""
+    blocks = k_quant_blocks(qtype, 64, np.random.default_rng(5))
+    g = GraphBuilder("int8", 32, accuracy_level=4)
+    g.own_kernel = True
+    g.linear("x", encode(blocks, qtype), "probe")
+    assert [a.i for n in g.nodes for a in n.attribute if a.name == "codebook"] == [1]
+    stored = sum(onnx.numpy_helper.to_array(t).nbytes for t in g.inits)
+    assert stored <= blocks.nbytes * 1.05
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K], ids=lambda t: t.name)
 def test_six_bit_scales_are_held_in_six_bits_and_exact(qtype):
     """As build_decoder stores them (pack_six): the 6-bit sub-block scales and minimums in

@@ -36,17 +36,18 @@ def tiled(v: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(v.reshape(n // 16, 16, nb).transpose(0, 2, 1)).reshape(-1)
 
 
-def session(u, s, o, bits, threads: int = 2, half: bool = False) -> ort.InferenceSession:
+def session(u, s, o, bits, threads: int = 2, half: bool = False,
+            codebook: bool = False) -> ort.InferenceSession:
     """One BlockQMatMul (BlockQMatMulHalf with `half`: float16 scales and offsets)."""
     dtype = np.float16 if half else np.float32
     return session_of(tiled_codes(u, bits), tiled(s).astype(dtype), tiled(o).astype(dtype),
-                      u.shape[1], bits, threads)
+                      u.shape[1], bits, threads, codebook=codebook)
 
 
 def session_of(codes, scales, offsets, k: int, bits: int, threads: int = 2,
-               gated: bool = False) -> ort.InferenceSession:
+               gated: bool = False, codebook: bool = False) -> ort.InferenceSession:
     """One op over tables already in the kernel's flat layout (float16 ones: the Half op);
-    `gated`: x is [gate, up], 2K wide."""
+    `gated`: x is [gate, up], 2K wide; `codebook`: 4-bit codes index IQ4's grid."""
     n, half = scales.size * 32 // k, scales.dtype == np.float16
     kind = TensorProto.FLOAT16 if half else TensorProto.FLOAT
     consts = [helper.make_tensor("codes", TensorProto.UINT8, [codes.size], codes.tobytes(),
@@ -55,7 +56,8 @@ def session_of(codes, scales, offsets, k: int, bits: int, threads: int = 2,
               helper.make_tensor("offsets", kind, [offsets.size], offsets.tobytes(), raw=True)]
     node = helper.make_node("BlockQMatMulHalf" if half else "BlockQMatMul",
                             ["x", "codes", "scales", "offsets"], ["y"],
-                            domain=kernels.DOMAIN, K=k, N=n, bits=bits, gated=int(gated))
+                            domain=kernels.DOMAIN, K=k, N=n, bits=bits, gated=int(gated),
+                            codebook=int(codebook))
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(
         "x", TensorProto.FLOAT, [1, "S", "W"])], [helper.make_tensor_value_info(
             "y", TensorProto.FLOAT, [1, "S", n])], initializer=consts)
@@ -125,6 +127,30 @@ def test_every_kernel_path_and_table_type_gives_the_same_bits(bits):
             results[half, path] = run.run(None, {"x": x})[0]
     for got in results.values():
         assert np.array_equal(got, results[False, 0])
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_codebook_indices_multiply_as_the_codes_they_stand_for(half):
+    """4-bit indices into IQ4's grid (GGUF's IQ4_NL/IQ4_XS) give bitwise what the 8-bit
+    codes they stand for give, on every kernel path, which is numpy's product of the
+    looked-up weights; every row is its one-row pass."""
+    from edgespec.quant.blockwise import IQ4_CODES
+
+    index, s, _, _ = weights(64, 512, 4, seed=6)
+    o = -128 * s  # zero point 128 (float16 exactly)
+    codes = IQ4_CODES[index]
+    w = codes.reshape(64, -1, 32) * s[..., None].astype(np.float64) + o[..., None]
+    x = np.random.default_rng(7).standard_normal((1, 9, 512)).astype(np.float32)
+    wide = session(codes, s, o, 8, half=half).run(None, {"x": x})[0]
+    run = session(index, s, o, 4, half=half, codebook=True)
+    for _, path in every_path():
+        assert np.array_equal(run.run(None, {"x": x})[0], wide), path
+    exact = quantized(x[0]) @ w.reshape(64, 512).T
+    assert np.abs(wide[0] - exact).max() < 2e-6 * np.abs(exact).max()
+    alone = np.concatenate([run.run(None, {"x": x[:, i:i + 1]})[0] for i in range(9)], 1)
+    assert np.array_equal(alone, wide)
+    with pytest.raises(Exception, match="codebook must be 0, or 1 with bits 4"):
+        session(codes, s, o, 8, codebook=True)
 
 
 def test_bad_shapes_are_refused_with_the_reason():

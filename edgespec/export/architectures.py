@@ -78,7 +78,8 @@ def fuse(parts: list[Weight]) -> Weight | list[Weight]:
     def layout(q: QuantizedWeight) -> tuple:
         stored = {k: tuple(a.shape[1:] + (a.dtype,) for a in v)
                   for k, v in (q.stored or {}).items() if k != "centre"}
-        return q.bits, q.block_size, q.k, q.mins is None, stored
+        book = None if q.codebook is None else q.codebook.tobytes()
+        return q.bits, q.block_size, q.k, q.mins is None, stored, book
 
     if any(layout(p) != layout(first) for p in parts):
         return parts
@@ -99,7 +100,8 @@ def fuse(parts: list[Weight]) -> Weight | list[Weight]:
         symmetric=all(p.symmetric for p in parts),
         mins=None if first.mins is None else cat([p.mins for p in parts]),
         stored={k: tuple(join([p.stored[k][i] for p in parts]) for i in range(len(v)))
-                for k, v in first.stored.items()} if first.stored else None)
+                for k, v in first.stored.items()} if first.stored else None,
+        codebook=first.codebook)
 
 
 def rope_parameters(config: dict[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:

@@ -24,7 +24,7 @@ import numpy as np
 from onnx import TensorProto
 
 from edgespec.kernels import DOMAIN
-from edgespec.quant.blockwise import QuantizedWeight, pack_rows, unpack_rows
+from edgespec.quant.blockwise import IQ4_CODES, QuantizedWeight, pack_rows, unpack_rows
 
 if TYPE_CHECKING:  # graph.py imports this module
     from edgespec.export.graph import GraphBuilder
@@ -33,10 +33,11 @@ LANES, BLOCK = 16, 32
 
 
 def fits(q: QuantizedWeight) -> bool:
-    """Whether the kernel takes these codes: blocks of 32, 4- or 8-bit codes, whole
-    tiles of 16 output columns."""
+    """Whether the kernel takes these codes: blocks of 32, 4- or 8-bit codes (4-bit ones
+    may index IQ4's grid, the one codebook it knows), whole tiles of 16 output columns."""
     return (q.block_size == BLOCK and q.bits in (4, 8) and q.k % BLOCK == 0
-            and q.n % LANES == 0)
+            and q.n % LANES == 0
+            and (q.codebook is None or np.array_equal(q.codebook, IQ4_CODES)))
 
 
 def tiled_codes(codes: np.ndarray, bits: int) -> np.ndarray:
@@ -161,7 +162,8 @@ def linear(g: GraphBuilder, x: str, q: QuantizedWeight, name: str, store: str,
     codes, scales, offsets, half = _tables(g, q, store)
     return g.node("BlockQMatMulHalf" if half else "BlockQMatMul", [x, codes, scales, offsets],
                   [f"{name}.out"], name, domain=DOMAIN, K=q.k, N=q.n, bits=q.bits,
-                  **({"gated": 1} if gated else {}))[0]
+                  **({"gated": 1} if gated else {}),
+                  **({"codebook": 1} if q.codebook is not None else {}))[0]
 
 
 def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> str:
@@ -197,6 +199,9 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
                   direction="RIGHT")
         got = op("Concat", [op("Unsqueeze", [low, two], "lowu"),
                             op("Unsqueeze", [high, two], "highu")], "pairs", axis=-2)
+    if q.codebook is not None:  # indices -> the codes they stand for
+        index = op("Cast", [got], "book.i", to=TensorProto.INT32)
+        got = op("Gather", [g.const("codebook", q.codebook), index], "book")
     values = op("Cast", [op("Reshape", [got, g.const(f"blocks.{nb}x{BLOCK}", np.array(
         [1, -1, nb, BLOCK], i64))], "grid")], "values", to=TensorProto.FLOAT)
     # scales and offsets: lane n % 16 of block b of the row's tile

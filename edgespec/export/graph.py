@@ -421,7 +421,9 @@ class GraphBuilder:
         return self.node("Add", [y, offset], [f"{name}.out.m"], f"{name}.addmin")[0]
 
     def layout(self, q: QuantizedWeight) -> QuantizedWeight:
-        """The codes as MatMulNBits reads them: as they are where no pass has one row."""
+        """The codes as MatMulNBits reads them (a codebook's as the 8-bit codes it holds):
+        as they are where no pass has one row."""
+        q = q.widened()
         return q if self.two_rows else invariant(q)
 
     def gather_rows(self, q: QuantizedWeight, ids: str, store: str) -> str:

@@ -56,11 +56,16 @@ static void silu_mul_portable(const float *x, int64_t M, int64_t K, float *out) 
         }
 }
 
+const uint8_t blockq_iq4[16] = {1,   24,  45,  63,  79,  93,  106, 118,
+                                 129, 141, 153, 166, 181, 197, 217, 241};
+
 /* The code of column lane c (0..15), input j (0..3) of group g of a tile's block. */
-static inline int code_at(const uint8_t *block, int64_t bits, int g, int c, int j) {
+static inline int code_at(const uint8_t *block, int64_t bits, const uint8_t *book, int g,
+                          int c, int j) {
     if (bits == 8) return block[g * 64 + c * 4 + j];
     const uint8_t byte = block[(g / 2) * 64 + c * 4 + j];
-    return g % 2 ? (byte >> 4) : (byte & 0x0F);
+    const int index = g % 2 ? (byte >> 4) : (byte & 0x0F);
+    return book ? book[index] : index;
 }
 
 static float table_at(const void *table, int half, int64_t i) {
@@ -81,7 +86,8 @@ static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *
                     const int8_t *q = x->q + (b * x->M + m) * 32;
                     int32_t dot = 0;
                     for (int g = 0; g < GROUPS; ++g)
-                        for (int j = 0; j < 4; ++j) dot += code_at(block, bits, g, c, j) * q[g * 4 + j];
+                        for (int j = 0; j < 4; ++j)
+                            dot += code_at(block, bits, w->book, g, c, j) * q[g * 4 + j];
                     const int64_t at = (t * nb + b) * LANES + c, row = b * x->M + m;
                     acc = fmaf((float)dot, table_at(w->scales, w->half, at) * x->d[row], acc);
                     acc = fmaf(table_at(w->offsets, w->half, at), x->sum[row], acc);
@@ -141,11 +147,14 @@ VNNI INLINE __m512 table16(const void *table, int half, int64_t at) {
 
 VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, float *y,
                                 int64_t t, int64_t m0, const int T, const int R,
-                                const Ahead *ahead, const int64_t bits, const int half) {
+                                const Ahead *ahead, const int64_t bits, const int half,
+                                const int book) {
     const int64_t N = wt->N, nb = x->K / 32;
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
     const uint8_t *codes = wt->codes;
     const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i values = book ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)wt->book))
+                                : _mm512_setzero_si512();
     __m512 acc[2][MAX_ROWS];
     for (int i = 0; i < T; ++i)
         for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -165,6 +174,10 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
                     const __m512i v = _mm512_loadu_si512((const void *)(at + h * 64));
                     w[i][0] = _mm512_and_si512(v, low);
                     w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    if (book) { /* indices -> the book's codes (16 bytes, every 128-bit lane) */
+                        w[i][0] = _mm512_shuffle_epi8(values, w[i][0]);
+                        w[i][1] = _mm512_shuffle_epi8(values, w[i][1]);
+                    }
                 } else {
                     w[i][0] = _mm512_loadu_si512((const void *)(at + 2 * h * 64));
                     w[i][1] = _mm512_loadu_si512((const void *)(at + (2 * h + 1) * 64));
@@ -220,6 +233,10 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
     const uint8_t *codes = wt->codes;
     const __m256i low = _mm256_set1_epi8(0x0F);
+    /* a book's codes take all 8 bits: they are multiplied as 8-bit codes are */
+    const int64_t code_bits = wt->book ? 8 : bits;
+    const __m256i values = wt->book ? _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)wt->book)) : _mm256_setzero_si256();
     __m256 acc[2][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -234,6 +251,10 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(block + h * 64 + half * 32));
                     w[0] = _mm256_and_si256(v, low);
                     w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (wt->book) {
+                        w[0] = _mm256_shuffle_epi8(values, w[0]);
+                        w[1] = _mm256_shuffle_epi8(values, w[1]);
+                    }
                 } else {
                     w[0] = _mm256_loadu_si256((const __m256i *)(block + 2 * h * 64 + half * 32));
                     w[1] = _mm256_loadu_si256((const __m256i *)(block + (2 * h + 1) * 64 + half * 32));
@@ -241,7 +262,8 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
                 for (int p = 0; p < 2; ++p)
                     for (int r = 0; r < R; ++r)
                         dot[r][half] = _mm256_add_epi32(dot[r][half], dot4_avx2(
-                            w[p], _mm256_set1_epi32(four_codes(x, m0 + r, b, 2 * h + p)), bits));
+                            w[p], _mm256_set1_epi32(four_codes(x, m0 + r, b, 2 * h + p)),
+                            code_bits));
             }
         }
         for (int half = 0; half < 2; ++half) {
@@ -251,7 +273,8 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
             for (int r = 0; r < R; ++r) {
                 const int64_t row = b * x->M + m0 + r;
                 __m256i exact = dot[r][half];
-                if (bits == 8) exact = _mm256_add_epi32(exact, _mm256_set1_epi32(128 * x->isum[row]));
+                if (code_bits == 8)
+                    exact = _mm256_add_epi32(exact, _mm256_set1_epi32(128 * x->isum[row]));
                 const __m256 d = _mm256_mul_ps(s, _mm256_set1_ps(x->d[row]));
                 acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), d, acc[r][half]);
                 acc[r][half] = _mm256_fmadd_ps(o, _mm256_set1_ps(x->sum[row]), acc[r][half]);
@@ -263,18 +286,19 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
             _mm256_storeu_ps(y + (m0 + r) * N + t * LANES + half * 8, acc[r][half]);
 }
 
-#define VNNI_CASE(T, n, B, H) \
-    case n: tile_rows_vnni(x, w, y, t, m0, T, n, &ahead, B, H); break;
-#define VNNI_SWITCH(T, rows, B, H)                                                       \
+#define VNNI_CASE(T, n, B, H, L) \
+    case n: tile_rows_vnni(x, w, y, t, m0, T, n, &ahead, B, H, L); break;
+#define VNNI_SWITCH(T, rows, B, H, L)                                                    \
     switch (rows) {                                                                      \
-        VNNI_CASE(T, 1, B, H) VNNI_CASE(T, 2, B, H) VNNI_CASE(T, 3, B, H)                \
-        VNNI_CASE(T, 4, B, H) VNNI_CASE(T, 5, B, H) VNNI_CASE(T, 6, B, H)                \
+        VNNI_CASE(T, 1, B, H, L) VNNI_CASE(T, 2, B, H, L) VNNI_CASE(T, 3, B, H, L)       \
+        VNNI_CASE(T, 4, B, H, L) VNNI_CASE(T, 5, B, H, L) VNNI_CASE(T, 6, B, H, L)       \
     }
 
-/* columns_vnni for one code width and table type, both constants in its inner loops. */
-#define COLUMNS_VNNI(BITS, HALF)                                                              \
-    VNNI static void columns_vnni_##BITS##_##HALF(const BlockqRows *x, const BlockqWeight *w, \
-                                                  float *y, int64_t t0, int64_t t1) {         \
+/* columns_vnni for one code width, table type and book (or none), constants in its inner
+ * loops. */
+#define COLUMNS_VNNI(BITS, HALF, BOOK)                                                        \
+    VNNI static void columns_vnni_##BITS##_##HALF##_##BOOK(                                   \
+        const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0, int64_t t1) {       \
         /* rows in near-equal chunks of at most MAX_ROWS (17 -> 5, 6, 6) */                  \
         const int64_t M = x->M, chunks = (M + MAX_ROWS - 1) / MAX_ROWS;                      \
         for (int64_t t = t0; t < t1; t += 2) {                                                \
@@ -283,26 +307,30 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
                 const Ahead ahead = {t + 2, left < 0 ? 0 : (left < 2 ? left : 2), (int)c,     \
                                      (int)chunks};                                            \
                 if (t + 1 < t1) {                                                             \
-                    VNNI_SWITCH(2, rows, BITS, HALF)                                          \
+                    VNNI_SWITCH(2, rows, BITS, HALF, BOOK)                                    \
                 } else {                                                                      \
-                    VNNI_SWITCH(1, rows, BITS, HALF)                                          \
+                    VNNI_SWITCH(1, rows, BITS, HALF, BOOK)                                    \
                 }                                                                             \
                 m0 += rows;                                                                   \
             }                                                                                 \
         }                                                                                     \
     }
 
-COLUMNS_VNNI(4, 0)
-COLUMNS_VNNI(4, 1)
-COLUMNS_VNNI(8, 0)
-COLUMNS_VNNI(8, 1)
+COLUMNS_VNNI(4, 0, 0)
+COLUMNS_VNNI(4, 1, 0)
+COLUMNS_VNNI(4, 0, 1)
+COLUMNS_VNNI(4, 1, 1)
+COLUMNS_VNNI(8, 0, 0)
+COLUMNS_VNNI(8, 1, 0)
 
 VNNI static void columns_vnni(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
                               int64_t t1) {
-    if (w->bits == 4)
-        (w->half ? columns_vnni_4_1 : columns_vnni_4_0)(x, w, y, t0, t1);
+    if (w->bits == 4 && w->book)
+        (w->half ? columns_vnni_4_1_1 : columns_vnni_4_0_1)(x, w, y, t0, t1);
+    else if (w->bits == 4)
+        (w->half ? columns_vnni_4_1_0 : columns_vnni_4_0_0)(x, w, y, t0, t1);
     else
-        (w->half ? columns_vnni_8_1 : columns_vnni_8_0)(x, w, y, t0, t1);
+        (w->half ? columns_vnni_8_1_0 : columns_vnni_8_0_0)(x, w, y, t0, t1);
 }
 
 AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,

@@ -20,10 +20,11 @@
 
 #include <stdint.h>
 
-/* The version of the weight layout below and of the library's ops (5: AttentionHalf);
+/* The version of the weight layout below and of the library's ops (5: AttentionHalf,
+ * 6: BlockQMatMul's codebook);
  * edgespec/kernels/__init__.py's LAYOUT must match, so a library built from other sources
  * is never used on this package's bundles. */
-#define BLOCKQ_LAYOUT 5
+#define BLOCKQ_LAYOUT 6
 int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes
@@ -50,13 +51,20 @@ void blockq_quantize_range(const float *x, BlockqRows *rows, int64_t m0, int64_t
 void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out);
 
 /* A weight [N, K] in the layout above: codes, and per block scales and offsets, float or
- * (half != 0) IEEE half, where every value is one exactly (half the bytes to read). */
+ * (half != 0) IEEE half, where every value is one exactly (half the bytes to read). With
+ * `book` (4-bit codes only), a code is an index and the weight's code is book[index]: the
+ * 16 values of a non-uniform grid (GGUF's IQ4_NL and IQ4_XS: blockq_iq4), which may take
+ * all 8 bits, read at 4 bits a weight. */
 typedef struct {
     const uint8_t *codes;
     const void *scales, *offsets;
     int64_t N, bits;
     int half;
+    const uint8_t *book;
 } BlockqWeight;
+
+/* GGUF's IQ4 grid (gguf-py's IQ4_NL.kvalues) + 128, as unsigned codes with zero point 128. */
+extern const uint8_t blockq_iq4[16];
 
 /* y[m, n] for n in [tile_begin*16, tile_end*16): columns in tiles of 16 (N % 16 == 0). */
 void blockq_columns(const BlockqRows *rows, const BlockqWeight *weight, float *y,

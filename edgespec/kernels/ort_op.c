@@ -10,6 +10,8 @@
  * BlockQMatMulHalf: the same with scales and offsets in float16 (half the bytes per step).
  * Optional attribute gated (int64, 0 by default): X is [..., 2K], a gated MLP's gate and up
  *   halves, and the product is taken of silu(gate) * up (blockq_silu_mul).
+ * Optional attribute codebook (int64, 0 by default; bits 4 only): 1, the 4-bit codes index
+ *   GGUF's IQ4 grid (blockq_iq4), whose values are the weight codes.
  * X is quantized once per call (blockq_quantize_range, its rows split among threads when
  * there are enough), then the N/16 column tiles are split into contiguous ranges run on
  * ONNX Runtime's intra-op thread pool (blockq_columns).
@@ -50,7 +52,7 @@
 
 typedef struct {
   const OrtApi *api; /* the table the runtime handed to create_kernel */
-  int64_t K, N, bits, gated;
+  int64_t K, N, bits, gated, codebook;
   int64_t cpus;
   int half; /* scales and offsets in IEEE half (OP_NAME_HALF) */
 } BlockQKernel;
@@ -93,6 +95,15 @@ static OrtStatus *read_attr_of(const char *op, const OrtApi *api, const OrtKerne
 
 #define read_attr(api, info, name, out) read_attr_of(OP_NAME, api, info, name, out)
 
+/* An int64 attribute that may be absent (0 then). */
+static int64_t optional_attr(const OrtApi *api, const OrtKernelInfo *info, const char *name) {
+  int64_t value = 0;
+  OrtStatus *absent = api->KernelInfoGetAttribute_int64(info, name, &value);
+  if (absent == NULL) return value;
+  api->ReleaseStatus(absent);
+  return 0;
+}
+
 static const OrtCustomOp g_op_half;
 
 static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api,
@@ -103,12 +114,8 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   if ((st = read_attr(api, info, "K", &K)) != NULL) return st;
   if ((st = read_attr(api, info, "N", &N)) != NULL) return st;
   if ((st = read_attr(api, info, "bits", &bits)) != NULL) return st;
-  int64_t gated = 0;
-  OrtStatus *absent = api->KernelInfoGetAttribute_int64(info, "gated", &gated);
-  if (absent != NULL) { /* optional */
-    api->ReleaseStatus(absent);
-    gated = 0;
-  }
+  const int64_t gated = optional_attr(api, info, "gated");
+  const int64_t codebook = optional_attr(api, info, "codebook");
   if (K <= 0 || K % 32 != 0)
     return op_error(api, ORT_INVALID_ARGUMENT, "K must be a positive multiple of 32, got %lld",
                     (long long)K);
@@ -118,6 +125,9 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   if (bits != 4 && bits != 8)
     return op_error(api, ORT_INVALID_ARGUMENT, "bits must be 4 or 8, got %lld",
                     (long long)bits);
+  if (codebook != 0 && (codebook != 1 || bits != 4))
+    return op_error(api, ORT_INVALID_ARGUMENT, "codebook must be 0, or 1 with bits 4, got %lld",
+                    (long long)codebook);
   if (N > INT64_MAX / K)
     return op_error(api, ORT_INVALID_ARGUMENT, "K*N is too large (K=%lld, N=%lld)",
                     (long long)K, (long long)N);
@@ -128,6 +138,7 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   k->N = N;
   k->bits = bits;
   k->gated = gated != 0;
+  k->codebook = codebook;
   k->cpus = online_cpus();
   k->half = op == &g_op_half;
   *kernel = k;
@@ -299,7 +310,8 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     goto done;
   }
 
-  ColumnsJob job = {&rows, {(const uint8_t *)pcodes, pscales, poffsets, N, bits, k->half},
+  ColumnsJob job = {&rows, {(const uint8_t *)pcodes, pscales, poffsets, N, bits, k->half,
+                            k->codebook ? blockq_iq4 : NULL},
                     (float *)py, N / 16, 1};
   int64_t tile_macs = 16 * K * M;
   int64_t min_tiles = (MIN_TASK_MACS + tile_macs - 1) / tile_macs;

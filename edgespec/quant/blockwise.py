@@ -28,6 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# gguf-py's IQ4_NL.kvalues + 128: the 8-bit codes GGUF's IQ4 indices stand for (the
+# codebook edgespec's kernel knows, blockq_iq4)
+IQ4_CODES = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                       113]) + 128).astype(np.uint8)
+
 
 @dataclass
 class QuantizedWeight:
@@ -45,6 +50,24 @@ class QuantizedWeight:
     # (zero point per block, or one for all,) with mins = product + centre · scales;
     # "codes": (4-bit low parts, packed high parts) of 8-bit codes holding 5/6-bit values
     stored: dict[str, tuple[np.ndarray, ...]] | None = None
+    # uint8 [16]: 4-bit codes are indices, the code of a weight is codebook[index] (GGUF's
+    # IQ4 grid), so w = (codebook[u] - z) · s; MatMulNBits takes them widened (`widened`)
+    codebook: np.ndarray | None = None
+
+    def codes(self) -> np.ndarray:
+        """The codes [N, n_blocks * block_size], one byte each, a codebook's values."""
+        codes = unpack_rows(self.packed, self.bits).reshape(self.n, -1)
+        return codes if self.codebook is None else self.codebook[codes]
+
+    def widened(self) -> QuantizedWeight:
+        """A codebook's weights as plain 8-bit codes (MatMulNBits has no codebook)."""
+        if self.codebook is None:
+            return self
+        nb = self.packed.shape[1]
+        stored = {k: v for k, v in (self.stored or {}).items() if k != "codes"}
+        return dataclasses.replace(
+            self, packed=self.codes().reshape(self.n, nb, -1), bits=8, codebook=None,
+            symmetric=bool(np.all(self.zero_points == 128)), stored=stored or None)
 
     def packed_zero_points(self) -> np.ndarray:
         """The zero points as MatMulNBits' optional input reads them."""
@@ -147,7 +170,7 @@ def quantize_blockwise(w: np.ndarray, bits: int = 8, block_size: int = 32,
 
 def dequantize(qw: QuantizedWeight) -> np.ndarray:
     """The [N, K] float32 weight that MatMulNBits computes with (the numpy reference)."""
-    codes = unpack_rows(qw.packed, qw.bits).reshape(qw.n, -1, qw.block_size)
+    codes = qw.codes().reshape(qw.n, -1, qw.block_size)
     w = (codes.astype(np.float32) - qw.zero_points[..., None]) * qw.scales.reshape(qw.n, -1, 1)
     if qw.mins is not None:
         w = w + qw.mins.reshape(qw.n, -1, 1)

@@ -10,7 +10,8 @@ the types with a minimum, a float m per block, so that w = (u - z) · s (+ m).
   5/6-bit kernel); K-quants' sub-blocks (32, or 16 for Q2_K, Q3_K and Q6_K) are the
   MatMulNBits blocks. 2- and 3-bit values are held as 4-bit codes.
 - IQ4_NL/IQ4_XS pick each weight from a table of 16 integers (IQ4_NL's `kvalues`), not a
-  step of a linear grid: they become 8-bit codes holding that table's value + 128.
+  step of a linear grid: their 4-bit indices stay, with that table + 128 as the codebook of
+  8-bit codes (zero point 128).
 - Scales and minimums keep GGUF's storage (float16, or a float16 per super-block times a
   small integer per sub-block) in `stored`, so the graph can hold them at GGUF's size.
 
@@ -25,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from edgespec.quant.blockwise import QuantizedWeight, pack_rows
+from edgespec.quant.blockwise import IQ4_CODES, QuantizedWeight, pack_rows
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -54,7 +55,7 @@ def _product(parts: tuple) -> np.ndarray:
 
 def _weight(codes: np.ndarray, bits: int, block: int, zero: int, scale_parts: tuple,
             min_parts: tuple | None = None, levels: int = 16,
-            high_bits: int = 0) -> QuantizedWeight:
+            high_bits: int = 0, codebook: np.ndarray | None = None) -> QuantizedWeight:
     """Codes [N, n_blocks, block] and scale/min factors ([N, G, 1] float16, optionally
     times [N, G, P] integers) -> the MatMulNBits weight.
 
@@ -85,7 +86,8 @@ def _weight(codes: np.ndarray, bits: int, block: int, zero: int, scale_parts: tu
     return QuantizedWeight(
         packed=pack_rows(codes.astype(np.uint8), bits), scales=scales,
         zero_points=zeros.reshape(n, nb), bits=bits, block_size=block, n=n, k=nb * block,
-        symmetric=bool(np.all(zeros == 2 ** (bits - 1))), mins=mins, stored=stored)
+        symmetric=codebook is None and bool(np.all(zeros == 2 ** (bits - 1))), mins=mins,
+        stored=stored, codebook=codebook)
 
 
 def q8_0(blocks: np.ndarray) -> QuantizedWeight:  # d f16, int8 q[32]; w = d·q
@@ -188,17 +190,9 @@ def q3_k(blocks: np.ndarray) -> QuantizedWeight:  # hmask[32], qs[64], scales[12
                    (_f16(blocks, 108), sc.astype(np.int8) - np.int8(32)))
 
 
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
-                       113], np.int16)  # gguf-py's IQ4_NL.kvalues
-
-
-def _iq4_codes(qs: np.ndarray) -> np.ndarray:
-    """IQ4's 4-bit table indices (the Q4_0 nibble layout) -> 8-bit codes, table value + 128."""
-    return (IQ4_VALUES[_nibbles(qs)] + 128).astype(np.uint8)
-
-
 def iq4_nl(blocks: np.ndarray) -> QuantizedWeight:  # d, qs[16]; w = d·kvalues[q]
-    return _weight(_iq4_codes(blocks[..., 2:]), 8, 32, 128, (_f16(blocks, 0),))
+    return _weight(_nibbles(blocks[..., 2:]), 4, 32, 128, (_f16(blocks, 0),),
+                   codebook=IQ4_CODES)
 
 
 def iq4_xs(blocks: np.ndarray) -> QuantizedWeight:  # d, scales_h u16, scales_l[4], qs[128]
@@ -207,9 +201,9 @@ def iq4_xs(blocks: np.ndarray) -> QuantizedWeight:  # d, scales_h u16, scales_l[
     high = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)  # [N, G, 1]
     ls = np.concatenate([low[..., :, None] & 0x0F, low[..., :, None] >> 4], axis=-1).reshape(
         n, g, 8) | ((high >> np.arange(0, 16, 2, dtype=np.uint16)) & 0x03).astype(np.uint8) << 4
-    codes = _iq4_codes(blocks[..., 8:].reshape(n, g, 8, 16))
-    return _weight(codes.reshape(n, g * 8, 32), 8, 32, 128,
-                   (_f16(blocks, 0), ls.astype(np.int8) - np.int8(32)))
+    codes = _nibbles(blocks[..., 8:].reshape(n, g, 8, 16))
+    return _weight(codes.reshape(n, g * 8, 32), 4, 32, 128,
+                   (_f16(blocks, 0), ls.astype(np.int8) - np.int8(32)), codebook=IQ4_CODES)
 
 
 ENCODINGS: dict[GGMLQuantizationType, Callable[[np.ndarray], QuantizedWeight]] = {
