@@ -1419,13 +1419,17 @@ def test_ctrl_c_in_train_draft_says_the_run_resumes(tiny, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "edgespec.cli", "train-draft", str(tiny[0]), "--out",
          str(tmp_path / "h.npz"), "--steps", "100000", "--kept", "256", "--max-new-tokens", "8"],
-        stderr=subprocess.PIPE, text=True, env={**os.environ,
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1",
                                                 "EDGESPEC_CACHE": str(tmp_path / "cache")})
     deadline = time.time() + 300
     while not (work / "head.pt").exists() and time.time() < deadline:  # training, saved
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # (seen once in a full run) say where it was stuck
+        proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+        pytest.fail("train-draft went on after Ctrl-C:\n" + proc.communicate()[1][-8000:])
     assert proc.returncode == 130, err
     assert f"stopped; the same command resumes from what {work} keeps." in err
     assert "Traceback" not in err and not (tmp_path / "h.npz").exists()
