@@ -110,7 +110,12 @@ static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *
  * before the next step, and would otherwise push out of the caches what is (the KV cache,
  * a draft head's 8 MB of weights between target passes). SmolLM2's default export, 2
  * threads: AR 1.05-1.10x and the default mode 1.02-1.11x the tokens/s (two runs, 36 and
- * 60 prompt pairs, interleaved), passes of 1-17 rows 0.96-1.03x the time. */
+ * 60 prompt pairs, interleaved), passes of 1-17 rows 0.96-1.03x the time.
+ * The last tiles of a range prefetch the first of the next range (up to the weight's last
+ * tile), which a thread takes next: each of a product's ranges (up to 4 a thread) had begun
+ * on weights that were not on their way. SmolLM2's default export, 2 threads, the kernel
+ * libraries side by side (tools/ab_kernels.py, 2 runs of 8 rounds, orders reversed): passes
+ * of 1 / 2 / 5 / 17 rows 0.84-0.94x / 0.94-0.95x / 0.89-0.91x / 0.98-0.99x the time. */
 typedef struct {
     int64_t tile, tiles;
     int part, parts;
@@ -303,7 +308,7 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
         const int64_t M = x->M, chunks = (M + MAX_ROWS - 1) / MAX_ROWS;                      \
         for (int64_t t = t0; t < t1; t += 2) {                                                \
             for (int64_t c = 0, m0 = 0; c < chunks; ++c) {                                    \
-                const int64_t rows = (M - m0) / (chunks - c), left = t1 - t - 2;              \
+                const int64_t rows = (M - m0) / (chunks - c), left = w->N / LANES - t - 2;    \
                 const Ahead ahead = {t + 2, left < 0 ? 0 : (left < 2 ? left : 2), (int)c,     \
                                      (int)chunks};                                            \
                 if (t + 1 < t1) {                                                             \
@@ -339,11 +344,11 @@ AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float 
     for (int64_t t = t0; t < t1; ++t) {
         int64_t m0 = 0;
         for (; m0 + 2 <= x->M; m0 += 2) {
-            const Ahead ahead = {t + 1, t + 1 < t1, (int)(m0 / 2), parts};
+            const Ahead ahead = {t + 1, t + 1 < w->N / LANES, (int)(m0 / 2), parts};
             tile_rows_avx2(x, w, y, t, m0, 2, &ahead);
         }
         if (m0 < x->M) {
-            const Ahead ahead = {t + 1, t + 1 < t1, parts - 1, parts};
+            const Ahead ahead = {t + 1, t + 1 < w->N / LANES, parts - 1, parts};
             tile_rows_avx2(x, w, y, t, m0, 1, &ahead);
         }
     }
