@@ -158,8 +158,8 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
     const uint8_t *codes = wt->codes;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __m512i values = book ? _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)wt->book))
-                                : _mm512_setzero_si512();
+    const __m512i values = book ? _mm512_broadcast_i32x4(
+        _mm_loadu_si128((const __m128i *)wt->book)) : _mm512_setzero_si512();
     __m512 acc[2][MAX_ROWS];
     for (int i = 0; i < T; ++i)
         for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
