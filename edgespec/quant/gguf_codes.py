@@ -15,8 +15,8 @@ the types with a minimum, a float m per block, so that w = (u - z) · s (+ m).
 - Scales and minimums keep GGUF's storage (float16, or a float16 per super-block times a
   small integer per sub-block) in `stored`, so the graph can hold them at GGUF's size.
 
-Types not listed (IQ1-IQ3, TQ*, Q8_K, ...) pick groups of weights from lattice codebooks
-and signs that no MatMulNBits encoding reproduces exactly.
+Types not listed are refused: IQ1-IQ3 pick groups of weights from lattice codebooks with
+signs, TQ* are ternary, Q8_K is llama.cpp's activation format.
 """
 
 from __future__ import annotations
