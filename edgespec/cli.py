@@ -65,6 +65,14 @@ def open_model(model: str | None, runtime: dict, chat_refused: str | None = None
     return engine
 
 
+def _named_path(ctx: click.Context, param: click.Parameter, value: str) -> Path:
+    """A path option that names something: an empty one would otherwise be Path("."),
+    and be refused as the current directory, which the user never typed."""
+    if not value:
+        raise click.BadParameter("is empty; name the path to write.")
+    return Path(value)
+
+
 def _memory(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     if value is None:  # the planner brings onnx (0.4 s): only for a budget to read
         return None
@@ -154,7 +162,7 @@ def cli() -> None:
                              "Default: the shipped head trained on this target, if any.")
 @click.option("--nest", type=click.Choice(["4+4"]), default="4+4", show_default=True,
               help="With --draft nested: base bits + residual bits.")
-@click.option("--out", required=True, type=click.Path(path_type=Path),
+@click.option("--out", required=True, type=click.Path(), callback=_named_path,
               help="Bundle directory to create.")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "int8", "int4", "int2"]),
               default="int8", show_default=True,
@@ -237,9 +245,10 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
     for source in (target, draft):
         if source and out.exists() and Path(source).exists() and \
                 Path(source).resolve().is_relative_to(out.resolve()):
-            what = "is" if Path(source).resolve() == out.resolve() else "holds"
-            raise EdgespecError(f"{out} {what} {source}, which this export reads; choose "
-                                "another --out.")
+            what = f"is the {'folder' if out.is_dir() else 'file'}" if \
+                Path(source).resolve() == out.resolve() else f"holds {source}, which"
+            raise EdgespecError(f"--out {out} {what} this export reads; choose another "
+                                "--out.")
     run_export(target, out, draft=draft, precision=precision,
                draft_precision=draft_precision, block_size=int(block_size),
                ep_profile=ep_profile, accuracy_level=int(accuracy_level),
@@ -277,7 +286,7 @@ def quality(bundle: Path, reference: str, text: Path | None, ctx: int, chunks: i
 
 @cli.command("train-draft")
 @click.argument("target")
-@click.option("--out", required=True, type=click.Path(path_type=Path),
+@click.option("--out", required=True, type=click.Path(), callback=_named_path,
               help="The draft head file to write (.npz).")
 @click.option("--work", type=click.Path(path_type=Path),
               help="Where answers and checkpoints are kept (default: OUT's name + .work); "
@@ -377,15 +386,17 @@ def _check_export_options(target: str, draft: str | None, precision: str,
                           requantize: bool, ep_profile: str, quant: str) -> None:
     """Options that would be silently ignored in this combination are refused instead,
     before any note about what the export will do."""
-    from edgespec.export.pipeline import NESTED_PROFILES
+    from edgespec.export.pipeline import NESTED_PROFILES, dml_refusal
     from edgespec.export.source import is_gguf
 
     ctx = click.get_current_context()
     given = ctx.get_parameter_source("trim_source")
     draft_shapers = " and ".join(name for name, value in (("--vocab-trim", vocab_trim), (
         "--draft-precision", draft_precision)) if value)
+    dml = dml_refusal(precision, draft_precision) if ep_profile == "dml" else None
     conflicts = [
         (draft == "nested" and ep_profile == "dml", NESTED_PROFILES),
+        (bool(dml), dml),
         (ctx.get_parameter_source("nest") != click.core.ParameterSource.DEFAULT
          and draft != "nested",
          "--nest sets the codes of --draft nested, which this export does not make; add "

@@ -40,7 +40,7 @@ def checkpoint(tmp_path, demo_target):
 def test_overwrite_never_deletes_a_checkpoint(tmp_path, checkpoint):
     before = tree(checkpoint)
     assert_user_error(run("export", str(checkpoint), "--out", str(checkpoint), "--overwrite"),
-                      "which this export reads")
+                      "is the folder this export reads")
     other = tmp_path / "other-ck"  # any folder that is not a bundle: someone's files
     shutil.copytree(checkpoint, other)
     assert_user_error(run("export", str(checkpoint), "--out", str(other), "--overwrite"),
@@ -446,5 +446,8 @@ def test_export_refuses_a_bundle_and_its_own_source_as_out(tmp_path, checkpoint)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     assert_user_error(run("export", str(gguf), "--out", str(gguf), "--overwrite"),
-                      f"{gguf} is {gguf}, which this export reads")
+                      f"--out {gguf} is the file this export reads")
     assert gguf.read_bytes()[:4] == b"GGUF"
+    for command in ("export", "train-draft"):  # "" would be Path("."): said as it was typed
+        assert_user_error(run(command, str(checkpoint), "--out", ""),
+                          "Invalid value for '--out': is empty; name the path to write", code=2)

@@ -277,12 +277,15 @@ def test_a_gguf_file_exports_for_directml_as_it_is_and_says_what_bitnest_does(tm
     nested = cli("export", str(smollm2_gguf()), "--out", str(tmp_path / "n"), "--draft",
                  "nested", "--precision", "int4")  # a conflict: refused before any note
     assert_user_error(nested, "--draft nested builds an int8 target")
+    assert_user_error(cli("export", str(smollm2_gguf()), "--out", str(tmp_path / "e"),
+                          "--ep-profile", "dml", "--precision", "int8"),  # before any note
+                      "the dml profile supports fp32, fp16 and int4 weights")
     gguf = str(smollm2_gguf())  # refused after the note (the file as --out), fast
     nested = cli("export", gguf, "--out", gguf, "--overwrite", "--draft", "nested")
     lines = [line for line in nested.stderr.splitlines() if line.strip()]
     assert nested.returncode == 1 and len(lines) == 2, nested.stderr
     assert "re-quantizes" in lines[0] and "do not keep their GGUF types" in lines[0]
-    assert "which this export reads" in lines[1]
+    assert "is the file this export reads" in lines[1]
 
 
 def test_model_option_takes_a_gguf_file_and_exports_it_once(tmp_path, bundles):
@@ -410,6 +413,20 @@ def test_files_of_the_low_bit_types_export_with_their_own_weights(tmp_path, qtyp
     with edgespec.load(tmp_path / "b", device="cpu") as engine:
         got = measure(engine.target, ids[:20], ids[20:37], trees=())
         assert got.chain == got.prefill == {5: 0.0, 17: 0.0}
+
+
+def test_a_type_held_only_dequantized_exports_with_requantize(tmp_path):
+    """IQ3_S (a lattice codebook) has no exact encoding, so a plain export refuses it and
+    says what to do; with --requantize it is read through gguf-py's dequantization like a
+    float file: at fp32 the logits are transformers' own from the file."""
+    path = tiny_gguf(tmp_path / "tiny.gguf", qtype=gguf.GGMLQuantizationType.IQ3_S, d=256)
+    refused = cli("export", str(path), "--out", str(tmp_path / "a"))
+    assert_user_error(refused, "is IQ3_S, which edgespec cannot hold exactly")
+    assert "--requantize" in refused.stderr and not (tmp_path / "a").exists()
+    export(path, tmp_path / "b", requantize=True, precision="fp32")
+    ids = list(range(3, 40))
+    ref = reference_logits(hf(path)[1], ids)
+    assert np.abs(bundle_logits(tmp_path / "b", ids) - ref).max() < 1e-4
 
 
 def test_load_takes_a_gguf_file_and_exports_it_once(tmp_path, monkeypatch):

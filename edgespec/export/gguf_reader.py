@@ -206,15 +206,32 @@ def load_gguf(path: Path, keep_codes: bool = True) -> GGUFCheckpoint:
 
                 data = np.asarray(data).view(ml_dtypes.bfloat16)
             tensors[name] = np.asarray(data).reshape([int(d) for d in reversed(t.shape)])
-        elif qtype in ENCODINGS:
+        elif qtype in ENCODINGS or (not keep_codes and _dequantizes(data, qtype)):
             quantized[name] = (data, qtype)
-        else:
+        elif keep_codes:
             raise EdgespecError(
                 f"{path}: tensor '{t.name}' is {qtype.name}, which edgespec cannot hold "
                 f"exactly (supported: {', '.join(FLOAT_TYPES)}, "
-                f"{', '.join(q.name for q in ENCODINGS)}); use a file of another quantization.")
+                f"{', '.join(q.name for q in ENCODINGS)}); use a file of another quantization, "
+                "or export it with --requantize to quantize it anew.")
+        else:
+            raise EdgespecError(f"{path}: tensor '{t.name}' is {qtype.name}, which gguf-py "
+                                "cannot dequantize; use a file of another quantization.")
     return GGUFCheckpoint(path, config, tensors, quantized, keep_codes,
                           norms_shifted=arch.startswith("gemma"), rope_factors=rope_factors)
+
+
+def _dequantizes(data: np.ndarray, qtype: Any) -> bool:
+    """Whether gguf-py dequantizes this type (the requantize route reads any it does)."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    size = GGML_QUANT_SIZES[qtype][1]
+    try:
+        dequantize(np.asarray(data).reshape(-1)[:size], qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def open_reader(path: Path) -> Any:

@@ -107,6 +107,18 @@ def check_same_vocab(target: Path, draft: Path) -> None:
                         "same model family.")
 
 
+def dml_refusal(precision: str, draft_precision: str | None) -> str | None:
+    """Why the dml profile cannot take these precisions, or None where it can."""
+    wrong = [f"{flag} {p}" for flag, p in (("--precision", precision),
+                                           ("--draft-precision", draft_precision))
+             if p in ("int2", "int8")]
+    if not wrong:
+        return None
+    return ("the dml profile supports fp32, fp16 and int4 weights (DirectML's MatMulNBits "
+            "needs zero points, which 8-bit codes cannot carry, and has no 2-bit kernel); "
+            f"instead of {' and '.join(wrong)}, pass int4 or fp16.")
+
+
 def uses_recipe(quant: str, precision: str, ep_profile: str, nested: bool) -> bool:
     """Whether a model's float weights take the GGUF recipe (quant.recipe): int4 and int8
     with quant "k", except for BitNest (its own nested codes) and the dml profile (its
@@ -396,13 +408,7 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
         raise EdgespecError(f"EP profile '{ep_profile}' is not one of "
                             f"{', '.join(PROFILE_DTYPE)}.")
     if ep_profile == "dml" and {precision, draft_precision} & {"int2", "int8"}:
-        wrong = [f"{flag} {p}" for flag, p in (("--precision", precision),
-                                               ("--draft-precision", head_precision))
-                 if p in ("int2", "int8")]
-        raise EdgespecError("the dml profile supports fp32, fp16 and int4 weights (DirectML's "
-                            "MatMulNBits needs zero points, which 8-bit codes cannot carry, "
-                            f"and has no 2-bit kernel); instead of {' and '.join(wrong)}, "
-                            "pass int4 or fp16.")
+        raise EdgespecError(dml_refusal(precision, head_precision))
     if quant not in ("k", "sym", "asym", "rot"):
         raise EdgespecError(f"quantization '{quant}' is none of k, sym, asym, rot.")
     if quant == "rot" and ({precision, draft_precision} - {"int8", "fp32"}
