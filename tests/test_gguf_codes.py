@@ -28,7 +28,7 @@ from tests.real_models import gemma_gguf, smollm2_gguf
 T = GGMLQuantizationType
 QUANTIZABLE = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]  # gguf-py quantizes these
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K, T.IQ4_NL, T.IQ4_XS]  # random blocks
-HALVES_AT = {T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,)}  # float16 fields; else 0 (d, dmin)
+HALVES_AT = {T.Q6_K: (208,), T.Q2_K: (80, 82), T.Q3_K: (108,)}  # float16 fields: d (, dmin)
 
 
 def run_graph(g: GraphBuilder, inputs: dict[str, np.ndarray], out: str,
