@@ -407,8 +407,8 @@ def export(target: str | Path, out: str | Path, draft: str | Path | None = None,
     if ep_profile not in PROFILE_DTYPE:
         raise EdgespecError(f"EP profile '{ep_profile}' is not one of "
                             f"{', '.join(PROFILE_DTYPE)}.")
-    if ep_profile == "dml" and {precision, draft_precision} & {"int2", "int8"}:
-        raise EdgespecError(dml_refusal(precision, head_precision))
+    if ep_profile == "dml" and (refusal := dml_refusal(precision, head_precision)):
+        raise EdgespecError(refusal)
     if quant not in ("k", "sym", "asym", "rot"):
         raise EdgespecError(f"quantization '{quant}' is none of k, sym, asym, rot.")
     if quant == "rot" and ({precision, draft_precision} - {"int8", "fp32"}
