@@ -63,14 +63,14 @@ def assert_bitwise(a: np.ndarray, b: np.ndarray) -> None:
 
 
 def k_quant_blocks(qtype: GGMLQuantizationType, rows: int, rng: np.random.Generator,
-                   width: int = 512) -> np.ndarray:
+                   width: int = 512, scales: tuple[float, float] = (1e-3, 3e-2)) -> np.ndarray:
     """Random blocks (`width` values a row) whose float16 scales are realistic
     (1e-3..3e-2), so the products and minimums are the magnitudes real files hold."""
     values, size = GGML_QUANT_SIZES[qtype]
     per_row = width // values
     raw = rng.integers(0, 256, size=(rows, per_row, size), dtype=np.uint8)
     for at in HALVES_AT.get(qtype, (0, 2) if qtype in (T.Q4_K, T.Q5_K) else (0,)):
-        raw[..., at:at + 2] = rng.uniform(1e-3, 3e-2, size=(rows, per_row, 1)).astype(
+        raw[..., at:at + 2] = rng.uniform(*scales, size=(rows, per_row, 1)).astype(
             np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 

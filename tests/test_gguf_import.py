@@ -22,10 +22,13 @@ import edgespec
 from edgespec import kernels
 from edgespec.bundle import read_manifest
 from edgespec.export import export
+from edgespec.quant import kquants
 from edgespec.runtimes import DecoderSession
 from edgespec.tokenizer import Tokenizer
 from tests.real_models import gemma_gguf, smollm2_gguf
 from tests.test_cli import assert_user_error, run
+
+T = gguf.GGMLQuantizationType
 
 # held-out text: prose, code and a list, none of it in edgespec's built-in prompts
 HELD_OUT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, "
@@ -322,13 +325,15 @@ def test_model_option_takes_a_gguf_file_and_exports_it_once(tmp_path, bundles):
 
 
 def tiny_gguf(path: Path, arch: str = "llama", qtype=gguf.GGMLQuantizationType.Q8_0,
-              tokenizer: bool = True, d: int = 64) -> Path:
-    """A small but well-formed GGUF file (2 layers, d 64) written with gguf-py; the types
-    gguf-py cannot quantize get random blocks with realistic scales."""
+              tokenizer: bool = True, d: int = 64, embed=gguf.GGMLQuantizationType.Q8_0,
+              vocab: int = 300) -> Path:
+    """A small but well-formed GGUF file (2 layers, d 64) written with gguf-py, its linears
+    in `qtype` and its tied embedding in `embed`; the types gguf-py cannot quantize get
+    random blocks with realistic scales."""
     from tests.test_gguf_codes import k_quant_blocks
 
     w = gguf.GGUFWriter(path, arch)
-    ff, vocab = 2 * d, 300
+    ff = 2 * d
     w.add_block_count(2)
     w.add_context_length(128)
     w.add_embedding_length(d)
@@ -351,12 +356,17 @@ def tiny_gguf(path: Path, arch: str = "llama", qtype=gguf.GGMLQuantizationType.Q
         data = rng.standard_normal(shape).astype(np.float32) * 0.05
         if kind == gguf.GGMLQuantizationType.F32 or len(shape) == 1:
             w.add_tensor(name, data)
+        elif kind in (T.Q4_K, T.Q6_K):  # edgespec's port of llama.cpp's own quantizers
+            w.add_tensor(name, kquants.quantize(data, kind), raw_dtype=kind)
         elif kind.name.startswith("IQ") or kind.name.endswith("_K"):  # gguf-py cannot quantize
-            w.add_tensor(name, k_quant_blocks(kind, shape[0], rng, shape[1]), raw_dtype=kind)
+            # IQ4_XS's d multiplies a 6-bit scale and a grid value up to 127: weights ~0.1
+            scales = (1e-5, 3e-4) if kind == T.IQ4_XS else (1e-3, 3e-2)
+            w.add_tensor(name, k_quant_blocks(kind, shape[0], rng, shape[1], scales),
+                         raw_dtype=kind)
         else:
             w.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
 
-    tensor("token_embd.weight", (vocab, d), gguf.GGMLQuantizationType.Q8_0)
+    tensor("token_embd.weight", (vocab, d), embed)
     tensor("output_norm.weight", (d,))
     for i in range(2):
         for name, shape in (("attn_q", (d, d)), ("attn_k", (d // 2, d)), ("attn_v", (d // 2, d)),
@@ -393,22 +403,26 @@ def test_a_tiny_well_formed_file_exports_and_runs(tmp_path):
 
 
 
-@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
-                                   gguf.GGMLQuantizationType.IQ4_NL,
-                                   gguf.GGMLQuantizationType.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS],
+                         ids=lambda t: t.name)
 def test_files_of_the_low_bit_types_export_with_their_own_weights(tmp_path, qtype):
-    """Q2_K and Q3_K (blocks of 16, MatMulNBits) and IQ4's table codes (blocks of 32, the
-    own kernel): with float32 activations the logits are transformers' own from the file,
-    and the default export's (int8 activations) are close and batch invariant."""
+    """K-quants (sub-blocks of 16 or 32) and IQ4's table codes, in every linear and in the
+    tied embedding the head shares: with float32 activations (MatMulNBits) the logits are
+    transformers' own from the file; the default export puts every one on the own kernel
+    (the K-quants in their super-block tables), and its logits (int8 activations) are close
+    and batch invariant."""
     from edgespec.runtimes.exactness import measure
 
-    path = tiny_gguf(tmp_path / "tiny.gguf", qtype=qtype, d=256)
+    path = tiny_gguf(tmp_path / "tiny.gguf", qtype=qtype, d=256, embed=qtype, vocab=304)
     _, model = hf(path)
     ids = list(range(3, 40))
     ref = reference_logits(model, ids)
     export(path, tmp_path / "acc0", accuracy_level=0)
     assert np.abs(bundle_logits(tmp_path / "acc0", ids) - ref).max() < 1e-4
     export(path, tmp_path / "b")
+    ops = {n.op_type for n in onnx.load(tmp_path / "b" / "target.onnx").graph.node}
+    assert "MatMulNBits" not in ops
+    assert ("BlockQMatMulK" in ops) == (qtype != T.IQ4_NL)
     assert kl_top1(ref, bundle_logits(tmp_path / "b", ids))[0] < 0.01
     with edgespec.load(tmp_path / "b", device="cpu") as engine:
         got = measure(engine.target, ids[:20], ids[20:37], trees=())

@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgespec import kernels
-from edgespec.export.blockq_ops import kept_rows, tiled_codes
+from edgespec.export.blockq_ops import kept_rows, lane_tiled, tiled_codes
 
 
 def weights(n: int, k: int, bits: int, seed: int = 0):
@@ -168,7 +168,7 @@ def test_kept_rows_of_the_tables_give_those_rows_outputs(bits, half):
     dtype = np.float16 if half else np.float32
     tables = tiled_codes(u, bits), tiled(s).astype(dtype), tiled(o).astype(dtype)
     rows = np.random.default_rng(7).choice(96, 37, replace=False)
-    kept = kept_rows(*tables, 256, bits, rows)
+    kept = kept_rows(tables[0], 256, bits, rows, *tables[1:])
     assert kept[1].dtype == dtype and kept[1].size == 48 * 256 // 32
     x = np.random.default_rng(8).standard_normal((1, 5, 256)).astype(np.float32)
     full = session_of(*tables, 256, bits).run(None, {"x": x})[0]
@@ -180,7 +180,8 @@ def test_kept_rows_of_the_tables_give_those_rows_outputs(bits, half):
 class Rows(ctypes.Structure):
     """blockq.h's BlockqRows."""
     _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("sum", ctypes.c_void_p),
-                ("isum", ctypes.c_void_p), ("M", ctypes.c_int64), ("K", ctypes.c_int64)]
+                ("isum", ctypes.c_void_p), ("M", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("sum16", ctypes.c_void_p), ("isum16", ctypes.c_void_p)]
 
 
 def test_activation_codes_are_numpys_on_every_path():
@@ -196,15 +197,19 @@ def test_activation_codes_are_numpys_on_every_path():
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
     codes = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
     assert (codes[0, 0, 1:] == np.rint(x[0, 1:32])).all()  # the ties are in the oracle
+    halves = codes.reshape(3, 3, 2, 16).sum(-1, dtype=np.int32).transpose(1, 0, 2)
     for lib, _ in every_path():
         q, got_d = np.zeros((3, 3, 32), np.int8), np.zeros((3, 3), np.float32)
         got_sum, isum = np.zeros_like(got_d), np.zeros((3, 3), np.int32)
+        sum16, isum16 = np.zeros((3, 3, 2), np.float32), np.zeros((3, 3, 2), np.int32)
         rows = Rows(q.ctypes.data, got_d.ctypes.data, got_sum.ctypes.data,
-                    isum.ctypes.data, 3, 96)
+                    isum.ctypes.data, 3, 96, sum16.ctypes.data, isum16.ctypes.data)
         lib.blockq_quantize_rows(ctypes.c_void_p(x.ctypes.data), ctypes.byref(rows))
         assert np.array_equal(q, codes.transpose(1, 0, 2)) and np.array_equal(got_d, d.T)
         assert np.array_equal(isum, codes.sum(-1, dtype=np.int32).T)
         assert np.array_equal(got_sum, d.T * isum.astype(np.float32))
+        assert np.array_equal(isum16, halves)  # each half block's, for sub-blocks of 16
+        assert np.array_equal(sum16, d.T[..., None] * halves.astype(np.float32))
 
 
 def silu_mul(x: np.ndarray) -> np.ndarray:
@@ -251,3 +256,107 @@ def test_gated_product_is_the_dequantized_one_and_row_invariant(bits):
     assert np.abs(y[0] - act @ w.T).max() < 0.02 * np.abs(exact).max()
     alone = np.concatenate([run.run(None, {"x": x[:, i:i + 1]})[0] for i in range(9)], 1)
     assert np.array_equal(y, alone)
+
+
+def k_weights(n: int, k: int, bits: int, sub: int, seed: int = 0, same: bool = False):
+    """Random codes and K-quant tables (blockq.h): D, M float16 per super-block of 256,
+    σ, μ int8 per sub-block (`same`: μ = σ, a zero point), and w = D·σ·u + M·μ."""
+    rng = np.random.default_rng(seed)
+    u = rng.integers(0, 2 ** bits, (n, k), dtype=np.uint8)
+    d = (rng.random((n, k // 256)) * 1e-3 + 1e-4).astype(np.float16)
+    m = (-d.astype(np.float32) * 2 ** (bits - 1)).astype(np.float16)
+    sigma = rng.integers(-64, 64, (n, k // sub), dtype=np.int8)
+    mu = sigma if same else rng.integers(0, 64, (n, k // sub), dtype=np.int8)
+    per = 256 // sub
+
+    def grid(big: np.ndarray, small: np.ndarray) -> np.ndarray:
+        return (np.repeat(big.astype(np.float64), per, axis=1) * small)[..., None]
+
+    w = u.reshape(n, -1, sub) * grid(d, sigma) + grid(m, mu)
+    return u, (d, m, sigma, mu), w.reshape(n, k)
+
+
+def k_session(u, tables, bits: int, sub: int, threads: int = 2) -> ort.InferenceSession:
+    """One BlockQMatMulK over codes [N, K] and K-quant tables (k_weights)."""
+    return k_session_of(tiled_codes(u, bits), [lane_tiled(t) for t in tables], u.shape[1],
+                        bits, sub, threads)
+
+
+def k_session_of(codes, tables, k: int, bits: int, sub: int,
+                 threads: int = 2) -> ort.InferenceSession:
+    """One BlockQMatMulK over tables already in the kernel's flat layout."""
+    n = codes.size * 8 // bits // k
+    kinds = (TensorProto.FLOAT16, TensorProto.FLOAT16, TensorProto.INT8, TensorProto.INT8)
+    names = ("scales", "offsets", "sub_scales", "sub_offsets")
+    consts = [helper.make_tensor("codes", TensorProto.UINT8, [codes.size], codes.tobytes(),
+                                 raw=True)]
+    for name, kind, flat in zip(names, kinds, tables, strict=True):
+        consts.append(helper.make_tensor(name, kind, [flat.size], flat.tobytes(), raw=True))
+    node = helper.make_node("BlockQMatMulK", ["x", "codes", *names], ["y"],
+                            domain=kernels.DOMAIN, K=k, N=n, bits=bits, sub=sub)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, "S", k])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [1, "S", n])], initializer=consts)
+    return kernels.op_session(graph, threads)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("sub", [16, 32])
+def test_k_quant_tables_give_the_dequantized_product_on_every_path(bits, sub):
+    """BlockQMatMulK (GGUF's K-quants, kept at their size): numpy's product of D·σ·u + M·μ
+    and the int8-quantized activations; every path, thread count and row bitwise the same
+    as the portable one-row result."""
+    u, tables, w = k_weights(80, 768, bits, sub, seed=14)
+    x = np.random.default_rng(15).standard_normal((1, 17, 768)).astype(np.float32)
+    x[0, 4, 16:48] = 0  # a zero block, and halves of blocks
+    results = []
+    for threads in (1, 2):
+        run = k_session(u, tables, bits, sub, threads)
+        for _, path in every_path():
+            results.append(run.run(None, {"x": x})[0])
+            alone = np.concatenate([run.run(None, {"x": x[:, i:i + 1]})[0]
+                                    for i in range(17)], 1)
+            assert np.array_equal(results[-1], alone), (threads, path)
+    for got in results:
+        assert np.array_equal(got, results[0])
+    exact = quantized(x[0]) @ w.T
+    assert np.abs(results[0][0] - exact).max() < 2e-6 * np.abs(exact).max()
+
+
+def test_k_quant_tables_in_blocks_of_32_are_bitwise_the_per_block_float_ones():
+    """Sub-blocks of 32 form each block's scale D·σ and offset M·μ exactly, so the K op
+    gives bitwise what the per-block op gives from float32 tables of those products."""
+    u, (d, m, sigma, mu), _ = k_weights(64, 512, 4, 32, seed=16)
+
+    def per_block(big: np.ndarray, small: np.ndarray) -> np.ndarray:
+        return np.repeat(big.astype(np.float32), 8, axis=1) * small.astype(np.float32)
+
+    x = np.random.default_rng(17).standard_normal((1, 5, 512)).astype(np.float32)
+    want = session(u, per_block(d, sigma), per_block(m, mu), 4).run(None, {"x": x})[0]
+    got = k_session(u, (d, m, sigma, mu), 4, 32).run(None, {"x": x})[0]
+    assert np.array_equal(got, want)
+
+
+def test_kept_rows_of_k_quant_tables_give_those_rows_outputs():
+    """Re-trimming a head in K-quant tables keeps the rows of its codes and of all four
+    tables, bitwise the full op's outputs in the chosen order."""
+    u, tables, _ = k_weights(96, 512, 8, 16, seed=18)
+    flat = [lane_tiled(t) for t in tables]
+    rows = np.random.default_rng(19).choice(96, 37, replace=False)
+    codes, *kept = kept_rows(tiled_codes(u, 8), 512, 8, rows, *flat)
+    assert [t.dtype for t in kept] == [t.dtype for t in flat]
+    x = np.random.default_rng(20).standard_normal((1, 3, 512)).astype(np.float32)
+    full = k_session(u, tables, 8, 16).run(None, {"x": x})[0]
+    got = k_session_of(codes, kept, 512, 8, 16).run(None, {"x": x})[0]
+    assert np.array_equal(got[..., :37], full[..., rows])
+    assert not got[..., 37:].any()
+
+
+def test_k_quant_tables_are_refused_where_they_cannot_be():
+    u, tables, _ = k_weights(32, 256, 4, 16)
+    with pytest.raises(Exception, match="sub must be 16 or 32"):
+        k_session(u, tables, 4, 64)
+    u, tables, _ = k_weights(32, 256, 4, 16)
+    short = (tables[0], tables[1], tables[2][:, :8], tables[3][:, :8])
+    with pytest.raises(Exception, match="sub_scales has 256 elements, expected N\\*K/sub"):
+        k_session(u, short, 4, 16).run(None, {"x": np.zeros((1, 1, 256), np.float32)})

@@ -7,13 +7,17 @@ own kernel reads each weight block once for all rows, quantizes activations per 
 block of 32 to int8 as llama.cpp does for these types, applies scale and offset inside,
 and gives every row bitwise the same result whatever the number of rows (blockq.h).
 
-It takes any block-of-32 encoding with 4- or 8-bit codes (GGUF Q4_0, Q4_1, Q4_K, Q5_*, IQ4_*,
-Q8_0; edgespec's own int4/int8) as codes u, scale s and offset o per block:
-w = s·u + o, o = m - z·s for the encoding's zero point z and minimum m. Codes are stored
-in the kernel's tiled layout (5-bit values as GGUF keeps them: 4-bit low parts and 1-bit
-high parts); scales and offsets are computed and laid out at session load from the
-source's own storage (ONNX Runtime folds the constant nodes), so a bundle is no bigger
-than with ONNX Runtime's kernels.
+It takes any block-of-32 encoding with 4- or 8-bit codes (GGUF Q4_0, Q4_1, Q5_0, Q5_1,
+IQ4_NL, Q8_0; edgespec's own int4/int8) as codes u, scale s and offset o per block:
+w = s·u + o, o = m - z·s for the encoding's zero point z and minimum m; scales and offsets
+are computed and laid out at session load from the source's own storage (ONNX Runtime
+folds the constant nodes). Encodings whose scales are a float16 per super-block of 256
+times a small integer per sub-block of 16 or 32 (GGUF's K-quants Q2_K-Q6_K, IQ4_XS;
+edgespec's own int4, which is Q4_K_M) keep that form (`k_tables`, op BlockQMatMulK): 4.6
+bits a Q4_K weight are read instead of 6 with a float scale and offset per block, and
+blocks of 16 run on the kernel too. Codes are stored in the kernel's tiled layout (5- and
+6-bit values as GGUF keeps them: 4-bit low parts and 1- or 2-bit high parts), so a bundle
+is no bigger than with ONNX Runtime's kernels.
 """
 
 from __future__ import annotations
@@ -29,14 +33,45 @@ from edgespec.quant.blockwise import IQ4_CODES, QuantizedWeight, pack_rows, unpa
 if TYPE_CHECKING:  # graph.py imports this module
     from edgespec.export.graph import GraphBuilder
 
-LANES, BLOCK = 16, 32
+LANES, BLOCK, SUPER = 16, 32, 256
+
+
+def k_tables(q: QuantizedWeight) -> tuple[np.ndarray, ...] | None:
+    """The K-quant tables of `q` where its scales are stored as a float16 per super-block of
+    256 times an integer per sub-block: D, M float16 [N, K/256] and σ, μ int8 [N, K/sub]
+    with w = D·σ·u + M·μ for the raw codes u (a minimum m = M·μ, or a zero point z as
+    M = -z·D and μ = σ); None for other encodings."""
+    stored = q.stored or {}
+    parts, mins = stored.get("scales", ()), stored.get("mins")
+    supers, subs = q.k // SUPER, q.k // q.block_size
+    if len(parts) != 2 or q.k % SUPER or (len(mins) != 2 if mins else False):
+        return None
+    # [N, G, 1] and [N, G, P] as the encodings give them, or flat per row (QuantizedWeight.rows)
+    if [p.size for p in parts + (mins or ())] != [q.n * supers, q.n * subs] * (1 + bool(mins)):
+        return None
+    d, sigma = parts[0].reshape(q.n, supers), parts[1].reshape(q.n, subs)
+    if mins is not None:
+        m, mu = mins[0].reshape(q.n, supers), mins[1].reshape(q.n, subs)
+    else:
+        z = q.zero_points.reshape(-1)
+        if q.mins is not None or np.any(z != z[0]):
+            return None
+        m, mu = (-(np.float32(z[0]) * d.astype(np.float32))).astype(np.float16), sigma
+        if not np.array_equal(m.astype(np.float32), -np.float32(z[0]) * d.astype(np.float32)):
+            return None  # -z·D is not a float16
+    if any(v.min() < -128 or v.max() > 127 for v in (sigma, mu)):
+        return None
+    return (d.astype(np.float16), m.astype(np.float16), sigma.astype(np.int8),
+            mu.astype(np.int8))
 
 
 def fits(q: QuantizedWeight) -> bool:
-    """Whether the kernel takes these codes: blocks of 32, 4- or 8-bit codes (4-bit ones
-    may index IQ4's grid, the one codebook it knows), whole tiles of 16 output columns."""
-    return (q.block_size == BLOCK and q.bits in (4, 8) and q.k % BLOCK == 0
-            and q.n % LANES == 0
+    """Whether the kernel takes these codes: blocks of 32 (or K-quant tables in sub-blocks
+    of 16), 4- or 8-bit codes (4-bit ones may index IQ4's grid, the one codebook it knows),
+    whole tiles of 16 output columns."""
+    blocks = q.block_size == BLOCK or (q.block_size == 16 and q.codebook is None
+                                       and k_tables(q) is not None)
+    return (blocks and q.bits in (4, 8) and q.k % BLOCK == 0 and q.n % LANES == 0
             and (q.codebook is None or np.array_equal(q.codebook, IQ4_CODES)))
 
 
@@ -50,12 +85,13 @@ def tiled_codes(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(tiles, dtype=np.uint8).reshape(-1)
 
 
-def kept_rows(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, k: int, bits: int,
-              rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A linear's tables in the kernel's layout (flat, as the op reads them) keeping only
-    output `rows`, padded with zero rows to whole tiles (their outputs are 0): for
-    re-trimming an exported head without the source weights."""
-    n, nb = scales.size // (k // BLOCK), k // BLOCK
+def kept_rows(codes: np.ndarray, k: int, bits: int, rows: np.ndarray,
+              *tables: np.ndarray) -> tuple[np.ndarray, ...]:
+    """A linear's codes and per-lane tables in the kernel's layout (flat, as the op reads
+    them: scales and offsets, and a K-quant op's sub-block ones) keeping only output
+    `rows`, padded with zero rows to whole tiles (their outputs are 0): for re-trimming an
+    exported head without the source weights."""
+    n, nb = codes.size * 8 // bits // k, k // BLOCK
     if bits == 4:  # undo the nibble pairing: groups 2h, 2h + 1
         pairs = codes.reshape(n // LANES, nb, 4, 1, LANES, 4)
         codes = np.concatenate([pairs & 0x0F, pairs >> 4], axis=3)
@@ -66,11 +102,19 @@ def kept_rows(codes: np.ndarray, scales: np.ndarray, offsets: np.ndarray, k: int
         per_row = table.reshape(n, -1)[rows]
         return np.concatenate([per_row, np.zeros((pad, per_row.shape[1]), per_row.dtype)])
 
-    def table(values: np.ndarray) -> np.ndarray:
-        grid = kept(values.reshape(n // LANES, nb, LANES).transpose(0, 2, 1))
-        return np.ascontiguousarray(grid.reshape(-1, LANES, nb).transpose(0, 2, 1)).reshape(-1)
+    def table(values: np.ndarray) -> np.ndarray:  # [N/16, per tile, 16]
+        per = values.size // n
+        grid = kept(values.reshape(n // LANES, per, LANES).transpose(0, 2, 1))
+        return np.ascontiguousarray(grid.reshape(-1, LANES, per).transpose(0, 2, 1)).reshape(-1)
 
-    return tiled_codes(kept(rows_k), bits), table(scales), table(offsets)
+    return (tiled_codes(kept(rows_k), bits), *(table(t) for t in tables))
+
+
+def lane_tiled(values: np.ndarray) -> np.ndarray:
+    """Per-row values [N, X] -> the kernel's per-lane layout [N/16, X, 16], flat."""
+    n, per = values.shape
+    return np.ascontiguousarray(values.reshape(n // LANES, LANES, per).transpose(0, 2, 1)
+                                ).reshape(-1)
 
 
 def _tiled(g: GraphBuilder, per_block: str, q: QuantizedWeight, name: str) -> str:
@@ -107,27 +151,27 @@ def halves(q: QuantizedWeight) -> bool:
                for v in _values(q))
 
 
-def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, str, bool]:
-    """The kernel's codes, scales and offsets for `q`, made once per `store`, and whether
-    the tables are float16."""
-    half = halves(q)
+def _codes(g: GraphBuilder, q: QuantizedWeight, store: str) -> str:
+    """The kernel's tiled codes for `q`."""
+    tiles = tiled_codes(unpack_rows(q.packed, q.bits).reshape(q.n, -1)[:, :q.k], q.bits)
+    if "codes" not in (q.stored or {}):
+        return g.const(f"{store}.tiles", tiles)
+    # 5- and 6-bit values in 8-bit codes: stored as GGUF sizes them (low nibbles, high
+    # bits), joined at session load
+    high_bits = 8 * q.stored["codes"][1].shape[-1] // q.block_size
+    shape = g.const(f"{store}.tiles.shape", np.array([tiles.size], np.int64))
+    low = g.unpacked(g.const(f"{store}.tiles.low", pack_rows(tiles[None] & 0x0F, 4)), 4,
+                     shape, f"{store}.tiles.low")
+    high = g.unpacked(g.const(f"{store}.tiles.high", pack_rows(tiles[None] >> 4, high_bits)),
+                      high_bits, shape, f"{store}.tiles.high")
+    high = g.node("BitShift", [high, g.const("four.u8", np.array(4, np.uint8))],
+                  [f"{store}.tiles.hs"], f"{store}.tiles.hs", direction="LEFT")[0]
+    return g.node("BitwiseOr", [low, high], [f"{store}.tiles"], f"{store}.tiles")[0]
 
-    def codes() -> str:
-        tiles = tiled_codes(unpack_rows(q.packed, q.bits).reshape(q.n, -1)[:, :q.k], q.bits)
-        if "codes" not in (q.stored or {}):
-            return g.const(f"{store}.tiles", tiles)
-        # 5-bit values in 8-bit codes: stored as GGUF sizes them (low nibbles, high bits),
-        # joined at session load
-        high_bits = 8 * q.stored["codes"][1].shape[-1] // q.block_size
-        shape = g.const(f"{store}.tiles.shape", np.array([tiles.size], np.int64))
-        low = g.unpacked(g.const(f"{store}.tiles.low", pack_rows(tiles[None] & 0x0F, 4)), 4,
-                         shape, f"{store}.tiles.low")
-        high = g.unpacked(g.const(f"{store}.tiles.high", pack_rows(tiles[None] >> 4,
-                                                                   high_bits)),
-                          high_bits, shape, f"{store}.tiles.high")
-        high = g.node("BitShift", [high, g.const("four.u8", np.array(4, np.uint8))],
-                      [f"{store}.tiles.hs"], f"{store}.tiles.hs", direction="LEFT")[0]
-        return g.node("BitwiseOr", [low, high], [f"{store}.tiles"], f"{store}.tiles")[0]
+
+def _block_tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, bool]:
+    """Per-block scales and offsets in the kernel's layout, and whether they are float16."""
+    half = halves(q)
 
     def flat_scales() -> str:
         return g.rebuilt32(store, "scales", q) if "scales" in (q.stored or {}) else \
@@ -151,25 +195,42 @@ def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, 
             off = g.node("Sub", [mins, shift], [f"{store}.off"], f"{store}.off")[0]
         return table(off, f"{store}.offsets")
 
-    return (g.once(f"{store}.tiles", codes),
-            g.once(f"{store}.tiled_scales", lambda: table(flat_scales(), f"{store}.scales")),
+    return (g.once(f"{store}.tiled_scales", lambda: table(flat_scales(), f"{store}.scales")),
             g.once(f"{store}.tiled_offsets", offsets), half)
+
+
+def _tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[list[str], str]:
+    """The op's inputs after X for `q` (made once per `store`) and the op that takes them."""
+    codes = g.once(f"{store}.tiles", lambda: _codes(g, q, store))
+    tables = k_tables(q)
+    if tables is None:
+        scales, offsets, half = _block_tables(g, q, store)
+        return [codes, scales, offsets], "BlockQMatMulHalf" if half else "BlockQMatMul"
+    names = []
+    for kind, values in zip(("scales", "offsets", "sub_scales", "sub_offsets"), tables,
+                            strict=True):
+        if kind == "sub_offsets" and np.array_equal(values, tables[2]):
+            names.append(names[2])  # μ = σ: the one table read twice
+            continue
+        key = f"{store}.k.{kind}"
+        names.append(g.once(key, lambda key=key, values=values: g.const(key, lane_tiled(values))))
+    return [codes, *names], "BlockQMatMulK"
 
 
 def linear(g: GraphBuilder, x: str, q: QuantizedWeight, name: str, store: str,
            gated: bool = False) -> str:
     """y = x @ wᵀ on the own kernel; `gated`: x is [gate, up] and y = (silu(gate)·up) @ wᵀ."""
-    codes, scales, offsets, half = _tables(g, q, store)
-    return g.node("BlockQMatMulHalf" if half else "BlockQMatMul", [x, codes, scales, offsets],
-                  [f"{name}.out"], name, domain=DOMAIN, K=q.k, N=q.n, bits=q.bits,
-                  **({"gated": 1} if gated else {}),
-                  **({"codebook": 1} if q.codebook is not None else {}))[0]
+    tables, op = _tables(g, q, store)
+    return g.node(op, [x, *tables], [f"{name}.out"], name, domain=DOMAIN, K=q.k, N=q.n,
+                  bits=q.bits, **({"gated": 1} if gated else {}),
+                  **({"codebook": 1} if q.codebook is not None else {}),
+                  **({"sub": q.block_size} if op == "BlockQMatMulK" else {}))[0]
 
 
 def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> str:
     """Embedding rows [1, S, K] read from a tied head's tiled codes (stored once): row n
-    is lane n % 16 of tile n // 16, s·u + o per block."""
-    codes, scales, offsets, half = _tables(g, q, store)
+    is lane n % 16 of tile n // 16, s·u + o per block (or sub-block: s = D·σ, o = M·μ)."""
+    (codes, *tables), kind = _tables(g, q, store)
     nb, i64 = q.k // BLOCK, np.int64
     units = 8 if q.bits == 8 else 4  # 16 x 4 bytes each: one group, or two in nibbles
 
@@ -202,19 +263,31 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
     if q.codebook is not None:  # indices -> the codes they stand for
         index = op("Cast", [got], "book.i", to=TensorProto.INT32)
         got = op("Gather", [g.const("codebook", q.codebook), index], "book")
-    values = op("Cast", [op("Reshape", [got, g.const(f"blocks.{nb}x{BLOCK}", np.array(
-        [1, -1, nb, BLOCK], i64))], "grid")], "values", to=TensorProto.FLOAT)
-    # scales and offsets: lane n % 16 of block b of the row's tile
-    fbase = op("Add", [op("Mul", [tile, const("fstep", nb * LANES)], "fbase0"), lane], "fbase")
-    findex = op("Add", [op("Unsqueeze", [fbase, last], "fbu"), g.const(
-        f"gq.fsteps.{nb}", np.arange(nb, dtype=i64) * LANES)], "findex")
+    block = q.block_size if kind == "BlockQMatMulK" else BLOCK
+    nblocks = q.k // block
+    values = op("Cast", [op("Reshape", [got, g.const(f"blocks.{nblocks}x{block}", np.array(
+        [1, -1, nblocks, block], i64))], "grid")], "values", to=TensorProto.FLOAT)
 
-    def per_block(table: str, kind: str) -> str:
-        got = op("Gather", [table, findex], kind)
-        if half:
-            got = op("Cast", [got], f"{kind}.f", to=TensorProto.FLOAT)
-        return op("Unsqueeze", [got, last], f"{kind}.u")
+    def lanes(table: str, per_tile: int, key: str) -> str:
+        """Lane n % 16 of the row's tile in a per-lane table: [1, S, per_tile] float."""
+        start = op("Add", [op("Mul", [tile, const("fstep", per_tile * LANES)], f"{key}.0"),
+                           lane], f"{key}.base")
+        at = op("Add", [op("Unsqueeze", [start, last], f"{key}.bu"), g.const(
+            f"gq.fsteps.{per_tile}", np.arange(per_tile, dtype=i64) * LANES)], f"{key}.at")
+        return op("Cast", [op("Gather", [table, at], key)], f"{key}.f", to=TensorProto.FLOAT)
 
-    w = op("Add", [op("Mul", [values, per_block(scales, "s")], "scaled"),
-                   per_block(offsets, "o")], "w")
+    def per_block(at: int, key: str) -> str:
+        """Each block's (or sub-block's) scale or offset: [1, S, blocks, 1]."""
+        if kind != "BlockQMatMulK":
+            got = lanes(tables[at], nb, key)
+        else:  # D or M per super-block times σ or μ per sub-block
+            supers, per = q.k // SUPER, SUPER // block
+            big = op("Unsqueeze", [lanes(tables[at], supers, f"{key}.D"), last], f"{key}.Du")
+            small = op("Reshape", [lanes(tables[at + 2], nblocks, f"{key}.sub"), g.const(
+                f"gq.supers.{supers}x{per}", np.array([1, -1, supers, per], i64))], f"{key}.sg")
+            got = op("Reshape", [op("Mul", [big, small], f"{key}.prod"), g.const(
+                f"gq.blocks.{nblocks}", np.array([1, -1, nblocks], i64))], f"{key}.flat")
+        return op("Unsqueeze", [got, last], f"{key}.u")
+
+    w = op("Add", [op("Mul", [values, per_block(0, "s")], "scaled"), per_block(1, "o")], "w")
     return op("Reshape", [w, g.const(f"gq.rows.{q.k}", np.array([1, -1, q.k], i64))], "out")

@@ -18,7 +18,7 @@ from onnx import numpy_helper
 
 from edgespec.bundle import Manifest, ModelEntry, read_manifest, write_bundle
 from edgespec.errors import EdgespecError
-from edgespec.export.blockq_ops import BLOCK, kept_rows
+from edgespec.export.blockq_ops import kept_rows
 from edgespec.kernels import DOMAIN
 from edgespec.quant.vocab_trim import count_tokens, kept_tokens
 from edgespec.runtimes import DecoderSession
@@ -131,11 +131,14 @@ def _slice_head(model: onnx.ModelProto, rows: np.ndarray) -> None:
         node.input[1] = sliced(node.input[1], _constant(model, node.input[1])[:, rows])
     elif node.domain == DOMAIN:  # the own kernel's tiles of 16 rows
         a = {a.name: a for a in node.attribute}
-        tables = kept_rows(*(_constant(model, name) for name in node.input[1:4]), a["K"].i,
-                           a["bits"].i, rows)
-        for i, (name, table) in enumerate(zip(node.input[1:4], tables, strict=True), start=1):
-            node.input[i] = sliced(name, table)
-        a["N"].i = len(tables[1]) * BLOCK // a["K"].i
+        codes, *tables = (_constant(model, name) for name in node.input[1:])
+        kept = kept_rows(codes, a["K"].i, a["bits"].i, rows, *tables)
+        done: dict[str, str] = {}  # a K-quant op may read one table twice (μ = σ)
+        for i, (name, table) in enumerate(zip(node.input[1:], kept, strict=True), start=1):
+            if name not in done:
+                done[name] = sliced(name, table)
+            node.input[i] = done[name]
+        a["N"].i = len(kept[0]) * 8 // a["bits"].i // a["K"].i
         if a["N"].i != len(rows):  # padded to whole tiles: keep the real rows' logits
             _cut_last_axis(model, node, len(rows))
     else:  # MatMulNBits: packed blocks, scales (and zero points) per output row, maybe flat

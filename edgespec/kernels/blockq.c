@@ -19,10 +19,19 @@ static float to_codes(float peak, float *d) {
     return *d != 0.0f ? 1.0f / *d : 0.0f;
 }
 
-static void store_block(BlockqRows *rows, int64_t at, float d, int32_t sum) {
+/* A block's d and sums; `first`: the sum of its first 16 codes (the halves' sums where the
+ * rows keep them). */
+static void store_block(BlockqRows *rows, int64_t at, float d, int32_t sum, int32_t first) {
     rows->d[at] = d;
     rows->sum[at] = d * (float)sum;
     rows->isum[at] = sum;
+    if (rows->isum16 != NULL) {
+        const int32_t halves[2] = {first, sum - first};
+        for (int j = 0; j < 2; ++j) {
+            rows->isum16[2 * at + j] = halves[j];
+            rows->sum16[2 * at + j] = d * (float)halves[j];
+        }
+    }
 }
 
 /* Codes by int8_code (simd.h): the SIMD paths' rounding, with no libm call. */
@@ -38,12 +47,13 @@ static void quantize_portable(const float *x, BlockqRows *rows, int64_t m0, int6
                 peak = a > peak ? a : peak;
             }
             const float inv = to_codes(peak, &d);
-            int32_t sum = 0;
+            int32_t sum = 0, first = 0;
             for (int i = 0; i < 32; ++i) {
                 q[i] = int8_code(v[i] * inv);
                 sum += q[i];
+                if (i == 15) first = sum;
             }
-            store_block(rows, b * rows->M + m, d, sum);
+            store_block(rows, b * rows->M + m, d, sum, first);
         }
     }
 }
@@ -72,11 +82,42 @@ static float table_at(const void *table, int half, int64_t i) {
     return half ? from_half(((const uint16_t *)table)[i]) : ((const float *)table)[i];
 }
 
+/* Sub-blocks a block of 32 has: 2 for K-quant tables in sub-blocks of 16, else 1. */
+static inline int parts_of(int64_t sub) { return sub == 16 ? 2 : 1; }
+
+/* Where lane c's tables of tile t, block b, sub-block j (of parts_of) are: per block, or
+ * for K-quant tables its super-block's (at) and its sub-block's (sub_at). */
+static inline int64_t table_index(int64_t nb, int64_t t, int64_t b, int64_t sub) {
+    return sub ? (t * (nb / 8) + b / 8) * LANES : (t * nb + b) * LANES;
+}
+static inline int64_t sub_index(int64_t nb, int64_t t, int64_t b, int j, int64_t sub) {
+    return ((t * nb + b) * parts_of(sub) + j) * LANES;
+}
+
+/* Lane c's scale and offset for sub-block j of block b of tile t. */
+static void lane_tables(const BlockqWeight *w, int64_t nb, int64_t t, int64_t b, int j, int c,
+                        float *s, float *o) {
+    const int64_t at = table_index(nb, t, b, w->sub) + c;
+    *s = table_at(w->scales, w->half, at);
+    *o = table_at(w->offsets, w->half, at);
+    if (w->sub) {
+        const int64_t sub_at = sub_index(nb, t, b, j, w->sub) + c;
+        *s *= (float)w->sub_scales[sub_at];
+        *o *= (float)w->sub_offsets[sub_at];
+    }
+}
+
+/* A row's activation sum over sub-block j of block row `row` (b*M + m). */
+static inline float row_sum(const BlockqRows *x, int64_t row, int j, int64_t sub) {
+    return sub == 16 ? x->sum16[2 * row + j] : x->sum[row];
+}
+
 static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
                              int64_t t1) {
     const int64_t K = x->K, N = w->N, bits = w->bits, nb = K / 32;
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
     const uint8_t *codes = w->codes;
+    const int parts = parts_of(w->sub), part_groups = GROUPS / parts;
     for (int64_t t = t0; t < t1; ++t) {
         for (int c = 0; c < LANES; ++c) {
             for (int64_t m = 0; m < x->M; ++m) {
@@ -84,13 +125,17 @@ static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *
                 for (int64_t b = 0; b < nb; ++b) {
                     const uint8_t *block = codes + (t * nb + b) * block_bytes;
                     const int8_t *q = x->q + (b * x->M + m) * 32;
-                    int32_t dot = 0;
-                    for (int g = 0; g < GROUPS; ++g)
-                        for (int j = 0; j < 4; ++j)
-                            dot += code_at(block, bits, w->book, g, c, j) * q[g * 4 + j];
-                    const int64_t at = (t * nb + b) * LANES + c, row = b * x->M + m;
-                    acc = fmaf((float)dot, table_at(w->scales, w->half, at) * x->d[row], acc);
-                    acc = fmaf(table_at(w->offsets, w->half, at), x->sum[row], acc);
+                    const int64_t row = b * x->M + m;
+                    for (int p = 0; p < parts; ++p) {
+                        int32_t dot = 0;
+                        for (int g = p * part_groups; g < (p + 1) * part_groups; ++g)
+                            for (int j = 0; j < 4; ++j)
+                                dot += code_at(block, bits, w->book, g, c, j) * q[g * 4 + j];
+                        float s, o;
+                        lane_tables(w, nb, t, b, p, c, &s, &o);
+                        acc = fmaf((float)dot, s * x->d[row], acc);
+                        acc = fmaf(o, row_sum(x, row, p, w->sub), acc);
+                    }
                 }
                 y[m * N + t * LANES + c] = acc;
             }
@@ -129,8 +174,14 @@ static inline void prefetch_block(const BlockqWeight *w, const Ahead *a, int64_t
         for (int64_t line = a->part * 64; line < block_bytes; line += 64 * a->parts)
             __builtin_prefetch(codes + line, 0, 0);
         if (a->part == 0) {
-            __builtin_prefetch((const char *)w->scales + at * LANES * entry, 0, 0);
-            __builtin_prefetch((const char *)w->offsets + at * LANES * entry, 0, 0);
+            const int64_t table = table_index(nb, a->tile + i, b, w->sub) * entry;
+            __builtin_prefetch((const char *)w->scales + table, 0, 0);
+            __builtin_prefetch((const char *)w->offsets + table, 0, 0);
+            if (w->sub) {
+                const int64_t sub_at = sub_index(nb, a->tile + i, b, 0, w->sub);
+                __builtin_prefetch(w->sub_scales + sub_at, 0, 0);
+                __builtin_prefetch(w->sub_offsets + sub_at, 0, 0);
+            }
         }
     }
 }
@@ -141,21 +192,29 @@ static int32_t four_codes(const BlockqRows *x, int64_t m, int64_t b, int g) {
     return four;
 }
 
-/* AVX-512 VNNI: rows m0 .. m0+R-1 of T adjacent tiles (T*16 columns, one register each);
- * each weight group is unpacked once for all R rows and each activation group broadcast
- * once for all T tiles. */
 /* 16 table entries from `at` as floats. */
 VNNI INLINE __m512 table16(const void *table, int half, int64_t at) {
     if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)table + at)));
     return _mm512_loadu_ps((const float *)table + at);
 }
 
+/* A super-block's 16 lanes (D or M) times a sub-block's int8 factors: exact in float. */
+VNNI INLINE __m512 times16(__m512 table, const int8_t *factors) {
+    return _mm512_mul_ps(table, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)factors))));
+}
+
+/* AVX-512 VNNI: rows m0 .. m0+R-1 of T adjacent tiles (T*16 columns, one register each);
+ * each weight group is unpacked once for all R rows and each activation group broadcast
+ * once for all T tiles. Sub-blocks of 16 (SUB) take the block in two parts, each scaled
+ * as it ends. */
 VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, float *y,
                                 int64_t t, int64_t m0, const int T, const int R,
                                 const Ahead *ahead, const int64_t bits, const int half,
-                                const int book) {
+                                const int book, const int64_t SUB) {
     const int64_t N = wt->N, nb = x->K / 32;
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
+    const int parts = parts_of(SUB), part_pairs = GROUPS / 2 / parts;
     const uint8_t *codes = wt->codes;
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i values = book ? _mm512_broadcast_i32x4(
@@ -164,48 +223,55 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
     for (int i = 0; i < T; ++i)
         for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        __m512i dot[2][MAX_ROWS];
-        for (int i = 0; i < T; ++i)
-            for (int r = 0; r < R; ++r) dot[i][r] = _mm512_setzero_si512();
         prefetch_block(wt, ahead, nb, b);
         /* this block's codes, scales and sums of rows m0.. are adjacent (blockq.h) */
         const int8_t *qb = x->q + (b * x->M + m0) * 32;
-        const float *db = x->d + b * x->M + m0, *sb = x->sum + b * x->M + m0;
-        for (int h = 0; h < GROUPS / 2; ++h) { /* 64 bytes: groups 2h and 2h+1 */
-            __m512i w[2][2];
-            for (int i = 0; i < T; ++i) {
-                const uint8_t *at = codes + ((t + i) * nb + b) * block_bytes;
-                if (bits == 4) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(at + h * 64));
-                    w[i][0] = _mm512_and_si512(v, low);
-                    w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                    if (book) { /* indices -> the book's codes (16 bytes, every 128-bit lane) */
-                        w[i][0] = _mm512_shuffle_epi8(values, w[i][0]);
-                        w[i][1] = _mm512_shuffle_epi8(values, w[i][1]);
+        const float *db = x->d + b * x->M + m0;
+        for (int p = 0; p < parts; ++p) {
+            __m512i dot[2][MAX_ROWS];
+            for (int i = 0; i < T; ++i)
+                for (int r = 0; r < R; ++r) dot[i][r] = _mm512_setzero_si512();
+            for (int h = p * part_pairs; h < (p + 1) * part_pairs; ++h) { /* 64 bytes: groups 2h, 2h+1 */
+                __m512i w[2][2];
+                for (int i = 0; i < T; ++i) {
+                    const uint8_t *at = codes + ((t + i) * nb + b) * block_bytes;
+                    if (bits == 4) {
+                        const __m512i v = _mm512_loadu_si512((const void *)(at + h * 64));
+                        w[i][0] = _mm512_and_si512(v, low);
+                        w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                        if (book) { /* indices -> the book's codes (16 bytes, every 128-bit lane) */
+                            w[i][0] = _mm512_shuffle_epi8(values, w[i][0]);
+                            w[i][1] = _mm512_shuffle_epi8(values, w[i][1]);
+                        }
+                    } else {
+                        w[i][0] = _mm512_loadu_si512((const void *)(at + 2 * h * 64));
+                        w[i][1] = _mm512_loadu_si512((const void *)(at + (2 * h + 1) * 64));
                     }
-                } else {
-                    w[i][0] = _mm512_loadu_si512((const void *)(at + 2 * h * 64));
-                    w[i][1] = _mm512_loadu_si512((const void *)(at + (2 * h + 1) * 64));
+                }
+                for (int g = 0; g < 2; ++g) {
+                    for (int r = 0; r < R; ++r) {
+                        int32_t four;
+                        memcpy(&four, qb + r * 32 + (2 * h + g) * 4, 4);
+                        const __m512i a = _mm512_set1_epi32(four);
+                        for (int i = 0; i < T; ++i)
+                            dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w[i][g], a);
+                    }
                 }
             }
-            for (int p = 0; p < 2; ++p) {
+            for (int i = 0; i < T; ++i) {
+                const int64_t at = table_index(nb, t + i, b, SUB);
+                __m512 s = table16(wt->scales, half, at), o = table16(wt->offsets, half, at);
+                if (SUB) {
+                    const int64_t sub_at = sub_index(nb, t + i, b, p, SUB);
+                    s = times16(s, wt->sub_scales + sub_at);
+                    o = times16(o, wt->sub_offsets + sub_at);
+                }
                 for (int r = 0; r < R; ++r) {
-                    int32_t four;
-                    memcpy(&four, qb + r * 32 + (2 * h + p) * 4, 4);
-                    const __m512i a = _mm512_set1_epi32(four);
-                    for (int i = 0; i < T; ++i)
-                        dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w[i][p], a);
+                    const __m512 d = _mm512_mul_ps(s, _mm512_set1_ps(db[r]));
+                    acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), d, acc[i][r]);
+                    acc[i][r] = _mm512_fmadd_ps(
+                        o, _mm512_set1_ps(row_sum(x, b * x->M + m0 + r, p, SUB)), acc[i][r]);
                 }
-            }
-        }
-        for (int i = 0; i < T; ++i) {
-            const int64_t at = ((t + i) * nb + b) * LANES;
-            const __m512 s = table16(wt->scales, half, at);
-            const __m512 o = table16(wt->offsets, half, at);
-            for (int r = 0; r < R; ++r) {
-                const __m512 d = _mm512_mul_ps(s, _mm512_set1_ps(db[r]));
-                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), d, acc[i][r]);
-                acc[i][r] = _mm512_fmadd_ps(o, _mm512_set1_ps(sb[r]), acc[i][r]);
             }
         }
     }
@@ -225,17 +291,24 @@ AVX2 INLINE __m256i dot4_avx2(__m256i w, __m256i a, int64_t bits) {
         _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(a, q)), ones);
 }
 
-/* AVX2: rows m0 .. m0+R-1 of one tile, as two halves of 8 columns. */
 /* 8 table entries from `at` as floats. */
 AVX2 INLINE __m256 table8(const void *table, int half, int64_t at) {
     if (half) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)table + at)));
     return _mm256_loadu_ps((const float *)table + at);
 }
 
+/* times16's 8 lanes. */
+AVX2 INLINE __m256 times8(__m256 table, const int8_t *factors) {
+    return _mm256_mul_ps(table, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+        _mm_loadl_epi64((const __m128i *)factors))));
+}
+
+/* AVX2: rows m0 .. m0+R-1 of one tile, as two halves of 8 columns. */
 AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, float *y,
                                 int64_t t, int64_t m0, const int R, const Ahead *ahead) {
     const int64_t N = wt->N, bits = wt->bits, nb = x->K / 32;
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
+    const int parts = parts_of(wt->sub), part_pairs = GROUPS / 2 / parts;
     const uint8_t *codes = wt->codes;
     const __m256i low = _mm256_set1_epi8(0x0F);
     /* a book's codes take all 8 bits: they are multiplied as 8-bit codes are */
@@ -247,42 +320,50 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *block = codes + (t * nb + b) * block_bytes;
         prefetch_block(wt, ahead, nb, b);
-        __m256i dot[2][2];
-        for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-        for (int h = 0; h < GROUPS / 2; ++h) {
-            for (int half = 0; half < 2; ++half) {
-                __m256i w[2];
-                if (bits == 4) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(block + h * 64 + half * 32));
-                    w[0] = _mm256_and_si256(v, low);
-                    w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    if (wt->book) {
-                        w[0] = _mm256_shuffle_epi8(values, w[0]);
-                        w[1] = _mm256_shuffle_epi8(values, w[1]);
+        for (int p = 0; p < parts; ++p) {
+            __m256i dot[2][2];
+            for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+            for (int h = p * part_pairs; h < (p + 1) * part_pairs; ++h) {
+                for (int half = 0; half < 2; ++half) {
+                    __m256i w[2];
+                    if (bits == 4) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(block + h * 64 + half * 32));
+                        w[0] = _mm256_and_si256(v, low);
+                        w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                        if (wt->book) {
+                            w[0] = _mm256_shuffle_epi8(values, w[0]);
+                            w[1] = _mm256_shuffle_epi8(values, w[1]);
+                        }
+                    } else {
+                        w[0] = _mm256_loadu_si256((const __m256i *)(block + 2 * h * 64 + half * 32));
+                        w[1] = _mm256_loadu_si256((const __m256i *)(block + (2 * h + 1) * 64 + half * 32));
                     }
-                } else {
-                    w[0] = _mm256_loadu_si256((const __m256i *)(block + 2 * h * 64 + half * 32));
-                    w[1] = _mm256_loadu_si256((const __m256i *)(block + (2 * h + 1) * 64 + half * 32));
+                    for (int g = 0; g < 2; ++g)
+                        for (int r = 0; r < R; ++r)
+                            dot[r][half] = _mm256_add_epi32(dot[r][half], dot4_avx2(
+                                w[g], _mm256_set1_epi32(four_codes(x, m0 + r, b, 2 * h + g)),
+                                code_bits));
                 }
-                for (int p = 0; p < 2; ++p)
-                    for (int r = 0; r < R; ++r)
-                        dot[r][half] = _mm256_add_epi32(dot[r][half], dot4_avx2(
-                            w[p], _mm256_set1_epi32(four_codes(x, m0 + r, b, 2 * h + p)),
-                            code_bits));
             }
-        }
-        for (int half = 0; half < 2; ++half) {
-            const int64_t at = (t * nb + b) * LANES + half * 8;
-            const __m256 s = table8(wt->scales, wt->half, at);
-            const __m256 o = table8(wt->offsets, wt->half, at);
-            for (int r = 0; r < R; ++r) {
-                const int64_t row = b * x->M + m0 + r;
-                __m256i exact = dot[r][half];
-                if (code_bits == 8)
-                    exact = _mm256_add_epi32(exact, _mm256_set1_epi32(128 * x->isum[row]));
-                const __m256 d = _mm256_mul_ps(s, _mm256_set1_ps(x->d[row]));
-                acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), d, acc[r][half]);
-                acc[r][half] = _mm256_fmadd_ps(o, _mm256_set1_ps(x->sum[row]), acc[r][half]);
+            for (int half = 0; half < 2; ++half) {
+                const int64_t at = table_index(nb, t, b, wt->sub) + half * 8;
+                __m256 s = table8(wt->scales, wt->half, at), o = table8(wt->offsets, wt->half, at);
+                if (wt->sub) {
+                    const int64_t sub_at = sub_index(nb, t, b, p, wt->sub) + half * 8;
+                    s = times8(s, wt->sub_scales + sub_at);
+                    o = times8(o, wt->sub_offsets + sub_at);
+                }
+                for (int r = 0; r < R; ++r) {
+                    const int64_t row = b * x->M + m0 + r;
+                    __m256i exact = dot[r][half];
+                    if (code_bits == 8) /* the part's code sum times 128 (dot4_avx2) */
+                        exact = _mm256_add_epi32(exact, _mm256_set1_epi32(
+                            128 * (parts == 2 ? x->isum16[2 * row + p] : x->isum[row])));
+                    const __m256 d = _mm256_mul_ps(s, _mm256_set1_ps(x->d[row]));
+                    acc[r][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), d, acc[r][half]);
+                    acc[r][half] = _mm256_fmadd_ps(o, _mm256_set1_ps(row_sum(x, row, p, wt->sub)),
+                                                   acc[r][half]);
+                }
             }
         }
     }
@@ -291,18 +372,18 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
             _mm256_storeu_ps(y + (m0 + r) * N + t * LANES + half * 8, acc[r][half]);
 }
 
-#define VNNI_CASE(T, n, B, H, L) \
-    case n: tile_rows_vnni(x, w, y, t, m0, T, n, &ahead, B, H, L); break;
-#define VNNI_SWITCH(T, rows, B, H, L)                                                    \
-    switch (rows) {                                                                      \
-        VNNI_CASE(T, 1, B, H, L) VNNI_CASE(T, 2, B, H, L) VNNI_CASE(T, 3, B, H, L)       \
-        VNNI_CASE(T, 4, B, H, L) VNNI_CASE(T, 5, B, H, L) VNNI_CASE(T, 6, B, H, L)       \
+#define VNNI_CASE(T, n, B, H, L, S) \
+    case n: tile_rows_vnni(x, w, y, t, m0, T, n, &ahead, B, H, L, S); break;
+#define VNNI_SWITCH(T, rows, B, H, L, S)                                                      \
+    switch (rows) {                                                                           \
+        VNNI_CASE(T, 1, B, H, L, S) VNNI_CASE(T, 2, B, H, L, S) VNNI_CASE(T, 3, B, H, L, S)   \
+        VNNI_CASE(T, 4, B, H, L, S) VNNI_CASE(T, 5, B, H, L, S) VNNI_CASE(T, 6, B, H, L, S)   \
     }
 
-/* columns_vnni for one code width, table type and book (or none), constants in its inner
- * loops. */
-#define COLUMNS_VNNI(BITS, HALF, BOOK)                                                        \
-    VNNI static void columns_vnni_##BITS##_##HALF##_##BOOK(                                   \
+/* columns_vnni for one code width, table type, book (or none) and sub-block size (0: per
+ * block tables), constants in its inner loops. */
+#define COLUMNS_VNNI(BITS, HALF, BOOK, SUB)                                                   \
+    VNNI static void columns_vnni_##BITS##_##HALF##_##BOOK##_##SUB(                           \
         const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0, int64_t t1) {       \
         /* rows in near-equal chunks of at most MAX_ROWS (17 -> 5, 6, 6) */                  \
         const int64_t M = x->M, chunks = (M + MAX_ROWS - 1) / MAX_ROWS;                      \
@@ -312,30 +393,41 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
                 const Ahead ahead = {t + 2, left < 0 ? 0 : (left < 2 ? left : 2), (int)c,     \
                                      (int)chunks};                                            \
                 if (t + 1 < t1) {                                                             \
-                    VNNI_SWITCH(2, rows, BITS, HALF, BOOK)                                    \
+                    VNNI_SWITCH(2, rows, BITS, HALF, BOOK, SUB)                               \
                 } else {                                                                      \
-                    VNNI_SWITCH(1, rows, BITS, HALF, BOOK)                                    \
+                    VNNI_SWITCH(1, rows, BITS, HALF, BOOK, SUB)                               \
                 }                                                                             \
                 m0 += rows;                                                                   \
             }                                                                                 \
         }                                                                                     \
     }
 
-COLUMNS_VNNI(4, 0, 0)
-COLUMNS_VNNI(4, 1, 0)
-COLUMNS_VNNI(4, 0, 1)
-COLUMNS_VNNI(4, 1, 1)
-COLUMNS_VNNI(8, 0, 0)
-COLUMNS_VNNI(8, 1, 0)
+COLUMNS_VNNI(4, 0, 0, 0)
+COLUMNS_VNNI(4, 1, 0, 0)
+COLUMNS_VNNI(4, 0, 1, 0)
+COLUMNS_VNNI(4, 1, 1, 0)
+COLUMNS_VNNI(8, 0, 0, 0)
+COLUMNS_VNNI(8, 1, 0, 0)
+/* K-quant tables: float16 super-block tables (BlockQMatMulK) */
+COLUMNS_VNNI(4, 1, 0, 32)
+COLUMNS_VNNI(4, 1, 1, 32)
+COLUMNS_VNNI(8, 1, 0, 32)
+COLUMNS_VNNI(4, 1, 0, 16)
+COLUMNS_VNNI(8, 1, 0, 16)
 
 VNNI static void columns_vnni(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
                               int64_t t1) {
-    if (w->bits == 4 && w->book)
-        (w->half ? columns_vnni_4_1_1 : columns_vnni_4_0_1)(x, w, y, t0, t1);
+    if (w->sub == 16)
+        (w->bits == 4 ? columns_vnni_4_1_0_16 : columns_vnni_8_1_0_16)(x, w, y, t0, t1);
+    else if (w->sub)
+        (w->bits == 8 ? columns_vnni_8_1_0_32
+                      : w->book ? columns_vnni_4_1_1_32 : columns_vnni_4_1_0_32)(x, w, y, t0, t1);
+    else if (w->bits == 4 && w->book)
+        (w->half ? columns_vnni_4_1_1_0 : columns_vnni_4_0_1_0)(x, w, y, t0, t1);
     else if (w->bits == 4)
-        (w->half ? columns_vnni_4_1_0 : columns_vnni_4_0_0)(x, w, y, t0, t1);
+        (w->half ? columns_vnni_4_1_0_0 : columns_vnni_4_0_0_0)(x, w, y, t0, t1);
     else
-        (w->half ? columns_vnni_8_1_0 : columns_vnni_8_0_0)(x, w, y, t0, t1);
+        (w->half ? columns_vnni_8_1_0_0 : columns_vnni_8_0_0_0)(x, w, y, t0, t1);
 }
 
 AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
@@ -367,18 +459,26 @@ VNNI static void quantize_vnni(const float *x, BlockqRows *rows, int64_t m0, int
             for (int i = 0; i < 2; ++i) peak = _mm512_max_ps(_mm512_abs_ps(a[i]), peak);
             float d;
             const __m512 inv = _mm512_set1_ps(to_codes(_mm512_reduce_max_ps(peak), &d));
-            __m512i sum = _mm512_setzero_si512();
+            int32_t sums[2];
             for (int i = 0; i < 2; ++i) {
                 const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a[i], inv), lo), hi);
                 const __m512i c = _mm512_cvtps_epi32(
                     _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
                 _mm_storeu_si128((__m128i *)(rows->q + (b * rows->M + m) * 32 + i * 16),
                                  _mm512_cvtepi32_epi8(c));
-                sum = _mm512_add_epi32(sum, c);
+                sums[i] = _mm512_reduce_add_epi32(c);
             }
-            store_block(rows, b * rows->M + m, d, _mm512_reduce_add_epi32(sum));
+            store_block(rows, b * rows->M + m, d, sums[0] + sums[1], sums[0]);
         }
     }
+}
+
+/* The sum of 8 int32 lanes. */
+AVX2 INLINE int32_t hsum_avx2(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
 }
 
 AVX2 static void quantize_avx2(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
@@ -399,22 +499,20 @@ AVX2 static void quantize_avx2(const float *x, BlockqRows *rows, int64_t m0, int
             p = _mm_max_ss(p, _mm_shuffle_ps(p, p, 1));
             float d;
             const __m256 inv = _mm256_set1_ps(to_codes(_mm_cvtss_f32(p), &d));
-            __m256i c[4], sum = _mm256_setzero_si256();
+            __m256i c[4];
             for (int i = 0; i < 4; ++i) {
                 const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(a[i], inv), lo), hi);
                 c[i] = _mm256_cvtps_epi32(
                     _mm256_round_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                sum = _mm256_add_epi32(sum, c[i]);
             }
             /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
                                                      _mm256_packs_epi32(c[2], c[3]));
             _mm256_storeu_si256((__m256i *)(rows->q + (b * rows->M + m) * 32),
                                 _mm256_permutevar8x32_epi32(bytes, order));
-            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-            store_block(rows, b * rows->M + m, d, _mm_cvtsi128_si32(s));
+            const int32_t first = hsum_avx2(_mm256_add_epi32(c[0], c[1]));
+            store_block(rows, b * rows->M + m, d, first + hsum_avx2(_mm256_add_epi32(c[2], c[3])),
+                        first);
         }
     }
 }

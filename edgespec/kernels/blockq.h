@@ -14,6 +14,14 @@
  *   bits 4: 64 bytes at ((t*nb + b)*4 + h)*64, byte i = column t*16 + i/4 at input
  *           b*32 + 2h*4 + i%4 (low nibble) and b*32 + (2h+1)*4 + i%4 (high nibble)
  *   scales, offsets: float or half at (t*nb + b)*16 + n%16.
+ * K-quant tables (GGUF's Q2_K-Q6_K, IQ4_XS: a float16 per super-block of 256 inputs times
+ * a small integer per sub-block of 16 or 32), kept at their own size: w = D·σ·u + M·μ with
+ *   D, M (scales, offsets): half at (t*ng + g)*16 + n%16, g = super-block, ng = K/256;
+ *   σ, μ (sub_scales, sub_offsets): int8 at (t*ns + j)*16 + n%16, j = sub-block, ns = K/sub.
+ * The kernel forms D·σ and M·μ (exact in float: 11 by 8 bits) and goes on as with a
+ * block's float scale and offset, once per sub-block: a block of 32 with sub-blocks of 16
+ * takes two integer dot products, each with its own scale, and the offset of each half
+ * multiplies that half's activation sum (sum16).
  */
 #ifndef EDGESPEC_BLOCKQ_H
 #define EDGESPEC_BLOCKQ_H
@@ -21,22 +29,26 @@
 #include <stdint.h>
 
 /* The version of the weight layout below and of the library's ops (5: AttentionHalf,
- * 6: BlockQMatMul's codebook);
+ * 6: BlockQMatMul's codebook, 7: BlockQMatMulK);
  * edgespec/kernels/__init__.py's LAYOUT must match, so a library built from other sources
  * is never used on this package's bundles. */
-#define BLOCKQ_LAYOUT 6
+#define BLOCKQ_LAYOUT 7
 int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes
  * q (round to nearest even of x / d, d = max|x| / 127, 0 for a zero block), and per row and
  * block d, sum = d * (sum of the codes) and isum = the sum of the codes. Block-major: row m's
  * codes of block b at q + (b*M + m)*32, its d, sum and isum at b*M + m, so the rows a kernel
- * multiplies together lie side by side at fixed offsets. */
+ * multiplies together lie side by side at fixed offsets. With sum16 and isum16 (else NULL),
+ * the same of each half of a block too, at (b*M + m)*2 + half: what weights in sub-blocks
+ * of 16 need. */
 typedef struct {
     int8_t *q;
     float *d, *sum;
     int32_t *isum;
     int64_t M, K;
+    float *sum16;
+    int32_t *isum16;
 } BlockqRows;
 
 void blockq_quantize_rows(const float *x, BlockqRows *rows);
@@ -54,13 +66,17 @@ void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out);
  * (half != 0) IEEE half, where every value is one exactly (half the bytes to read). With
  * `book` (4-bit codes only), a code is an index and the weight's code is book[index]: the
  * 16 values of a non-uniform grid (GGUF's IQ4_NL and IQ4_XS: blockq_iq4), which may take
- * all 8 bits, read at 4 bits a weight. */
+ * all 8 bits, read at 4 bits a weight. With `sub` (16 or 32; 0: per-block tables), the
+ * K-quant tables: scales and offsets per super-block (half), sub_scales and sub_offsets
+ * per sub-block of `sub` inputs (K % 256 == 0; sub 16 needs the rows' sum16 and isum16). */
 typedef struct {
     const uint8_t *codes;
     const void *scales, *offsets;
     int64_t N, bits;
     int half;
     const uint8_t *book;
+    const int8_t *sub_scales, *sub_offsets;
+    int64_t sub;
 } BlockqWeight;
 
 /* GGUF's IQ4 grid (gguf-py's IQ4_NL.kvalues) + 128, as unsigned codes with zero point 128. */

@@ -1,5 +1,5 @@
-/* ort_op.c: ONNX Runtime custom-op library with edgespec.BlockQMatMul, BlockQMatMulHalf and
- * Attention (CPU).
+/* ort_op.c: ONNX Runtime custom-op library with edgespec.BlockQMatMul, BlockQMatMulHalf,
+ * BlockQMatMulK and Attention (CPU).
  *
  * Load with onnxruntime.SessionOptions().register_custom_ops_library(path); the runtime then
  * calls RegisterCustomOps below. Only the C ABI slice declared in ort_abi.h is used.
@@ -12,6 +12,10 @@
  *   halves, and the product is taken of silu(gate) * up (blockq_silu_mul).
  * Optional attribute codebook (int64, 0 by default; bits 4 only): 1, the 4-bit codes index
  *   GGUF's IQ4 grid (blockq_iq4), whose values are the weight codes.
+ * BlockQMatMulK(X, codes, scales, offsets, sub_scales, sub_offsets): K-quant tables
+ *   (blockq.h), attribute sub (16 or 32, the inputs per sub-block; K % 256 == 0): scales and
+ *   offsets float16 (N*K/256), sub_scales and sub_offsets int8 (N*K/sub); no codebook with
+ *   sub 16.
  * X is quantized once per call (blockq_quantize_range, its rows split among threads when
  * there are enough), then the N/16 column tiles are split into contiguous ranges run on
  * ONNX Runtime's intra-op thread pool (blockq_columns).
@@ -35,6 +39,7 @@
 
 #define OP_NAME "BlockQMatMul"
 #define OP_NAME_HALF "BlockQMatMulHalf"
+#define OP_NAME_K "BlockQMatMulK"
 #define OP_DOMAIN "edgespec"
 
 /* Column tiles are handed out in at most TASKS_PER_CPU ranges per online CPU (the pool takes
@@ -54,7 +59,8 @@ typedef struct {
   const OrtApi *api; /* the table the runtime handed to create_kernel */
   int64_t K, N, bits, gated, codebook;
   int64_t cpus;
-  int half; /* scales and offsets in IEEE half (OP_NAME_HALF) */
+  int half;    /* scales and offsets in IEEE half (OP_NAME_HALF, OP_NAME_K) */
+  int64_t sub; /* OP_NAME_K's sub-block size, else 0 */
 } BlockQKernel;
 
 static OrtStatus *error_in(const char *op, const OrtApi *api, OrtErrorCode code,
@@ -104,7 +110,7 @@ static int64_t optional_attr(const OrtApi *api, const OrtKernelInfo *info, const
   return 0;
 }
 
-static const OrtCustomOp g_op_half;
+static const OrtCustomOp g_op, g_op_half, g_op_k;
 
 static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api,
                                              const OrtKernelInfo *info, void **kernel) {
@@ -128,6 +134,14 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   if (codebook != 0 && (codebook != 1 || bits != 4))
     return op_error(api, ORT_INVALID_ARGUMENT, "codebook must be 0, or 1 with bits 4, got %lld",
                     (long long)codebook);
+  const int64_t sub = op == &g_op_k ? optional_attr(api, info, "sub") : 0;
+  if (op == &g_op_k && (sub != 16 && sub != 32))
+    return op_error(api, ORT_INVALID_ARGUMENT, "sub must be 16 or 32, got %lld", (long long)sub);
+  if (op == &g_op_k && K % 256 != 0)
+    return op_error(api, ORT_INVALID_ARGUMENT, "K must be a multiple of 256 (super-blocks), "
+                    "got %lld", (long long)K);
+  if (sub == 16 && codebook != 0)
+    return op_error(api, ORT_INVALID_ARGUMENT, "a codebook needs sub 32");
   if (N > INT64_MAX / K)
     return op_error(api, ORT_INVALID_ARGUMENT, "K*N is too large (K=%lld, N=%lld)",
                     (long long)K, (long long)N);
@@ -140,7 +154,8 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   k->gated = gated != 0;
   k->codebook = codebook;
   k->cpus = online_cpus();
-  k->half = op == &g_op_half;
+  k->half = op == &g_op_half || op == &g_op_k;
+  k->sub = sub;
   *kernel = k;
   return NULL;
 }
@@ -238,13 +253,14 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   const int64_t width = k->gated ? 2 * K : K; /* X's last dimension */
   OrtStatus *st;
 
+  const size_t wanted = k->sub ? 6 : 4;
   size_t n_inputs = 0;
   if ((st = api->KernelContext_GetInputCount(ctx, &n_inputs)) != NULL) return st;
-  if (n_inputs != 4)
-    return op_error(api, ORT_INVALID_ARGUMENT, "takes 4 inputs (X, codes, scales, offsets), got %zu",
-                    n_inputs);
-  const OrtValue *in[4];
-  for (size_t i = 0; i < 4; i++) {
+  if (n_inputs != wanted)
+    return op_error(api, ORT_INVALID_ARGUMENT, "takes %zu inputs (X, codes, scales, offsets%s), "
+                    "got %zu", wanted, k->sub ? ", sub_scales, sub_offsets" : "", n_inputs);
+  const OrtValue *in[6];
+  for (size_t i = 0; i < wanted; i++) {
     in[i] = NULL;
     if ((st = api->KernelContext_GetInput(ctx, i, &in[i])) != NULL) return st;
     if (in[i] == NULL) return op_error(api, ORT_INVALID_ARGUMENT, "input %zu is missing", i);
@@ -253,8 +269,13 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   if ((st = check_vector(api, in[1], "codes", bits == 4 ? N * K / 2 : N * K,
                          bits == 4 ? "N*K/2 for bits 4" : "N*K for bits 8")) != NULL)
     return st;
-  if ((st = check_vector(api, in[2], "scales", N * nb, "N*K/32")) != NULL) return st;
-  if ((st = check_vector(api, in[3], "offsets", N * nb, "N*K/32")) != NULL) return st;
+  const int64_t per_table = k->sub ? K / 256 : nb, per_sub = k->sub ? K / k->sub : 0;
+  const char *table_rule = k->sub ? "N*K/256" : "N*K/32";
+  if ((st = check_vector(api, in[2], "scales", N * per_table, table_rule)) != NULL) return st;
+  if ((st = check_vector(api, in[3], "offsets", N * per_table, table_rule)) != NULL) return st;
+  if (k->sub && ((st = check_vector(api, in[4], "sub_scales", N * per_sub, "N*K/sub")) != NULL ||
+                 (st = check_vector(api, in[5], "sub_offsets", N * per_sub, "N*K/sub")) != NULL))
+    return st;
 
   int64_t *dims;
   size_t rank;
@@ -279,22 +300,29 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   if (st != NULL) return st;
   if (M == 0) return NULL;
 
-  void *px, *pcodes, *pscales, *poffsets, *py;
+  void *px, *pcodes, *pscales, *poffsets, *py, *psub_scales = NULL, *psub_offsets = NULL;
   if ((st = api->GetTensorMutableData((OrtValue *)in[0], &px)) != NULL ||
       (st = api->GetTensorMutableData((OrtValue *)in[1], &pcodes)) != NULL ||
       (st = api->GetTensorMutableData((OrtValue *)in[2], &pscales)) != NULL ||
       (st = api->GetTensorMutableData((OrtValue *)in[3], &poffsets)) != NULL ||
       (st = api->GetTensorMutableData(out, &py)) != NULL)
     return st;
+  if (k->sub && ((st = api->GetTensorMutableData((OrtValue *)in[4], &psub_scales)) != NULL ||
+                 (st = api->GetTensorMutableData((OrtValue *)in[5], &psub_offsets)) != NULL))
+    return st;
 
   /* Per call scratch: kernels share nothing, so concurrent runs are safe. */
   BlockqRows rows = {(int8_t *)malloc((size_t)(M * K)),
                      (float *)malloc((size_t)(M * nb) * sizeof(float)),
                      (float *)malloc((size_t)(M * nb) * sizeof(float)),
-                     (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t)), M, K};
+                     (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t)), M, K, NULL, NULL};
+  if (k->sub == 16) { /* each half block's sums too */
+    rows.sum16 = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
+    rows.isum16 = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
+  }
   float *act = k->gated ? (float *)malloc((size_t)(M * K) * sizeof(float)) : NULL;
   if (rows.q == NULL || rows.d == NULL || rows.sum == NULL || rows.isum == NULL ||
-      (k->gated && act == NULL)) {
+      (k->gated && act == NULL) || (k->sub == 16 && (rows.sum16 == NULL || rows.isum16 == NULL))) {
     st = op_error(api, ORT_FAIL, "out of memory for %lld x %lld activations", (long long)M,
                   (long long)K);
     goto done;
@@ -311,7 +339,8 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   }
 
   ColumnsJob job = {&rows, {(const uint8_t *)pcodes, pscales, poffsets, N, bits, k->half,
-                            k->codebook ? blockq_iq4 : NULL},
+                            k->codebook ? blockq_iq4 : NULL, (const int8_t *)psub_scales,
+                            (const int8_t *)psub_offsets, k->sub},
                     (float *)py, N / 16, 1};
   int64_t tile_macs = 16 * K * M;
   int64_t min_tiles = (MIN_TASK_MACS + tile_macs - 1) / tile_macs;
@@ -330,25 +359,27 @@ done:
   free(rows.d);
   free(rows.sum);
   free(rows.isum);
+  free(rows.sum16);
+  free(rows.isum16);
   return st;
 }
 
 /* ---- the op's schema ---- */
 
 static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
-  return op == &g_op_half ? OP_NAME_HALF : OP_NAME;
+  return op == &g_op_half ? OP_NAME_HALF : op == &g_op_k ? OP_NAME_K : OP_NAME;
 }
 static const char *ORT_API_CALL op_provider(const OrtCustomOp *op) {
   (void)op;
   return "CPUExecutionProvider";
 }
 static size_t ORT_API_CALL op_input_count(const OrtCustomOp *op) {
-  (void)op;
-  return 4;
+  return op == &g_op_k ? 6 : 4;
 }
 static ONNXTensorElementDataType ORT_API_CALL op_input_type(const OrtCustomOp *op, size_t i) {
   if (i == 1) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
-  if (i > 1 && op == &g_op_half) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  if (i > 3) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
+  if (i > 1 && op != &g_op) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static size_t ORT_API_CALL op_output_count(const OrtCustomOp *op) {
@@ -389,10 +420,11 @@ static int ORT_API_CALL op_one(const OrtCustomOp *op) {
     .KernelComputeV2 = compute,                                                         \
   }
 /* CreateKernel / KernelCompute (pre-16 entry points), shape inference, opset range and the
-   aliasing hints are left NULL: the runtime skips them for this version. The two ops differ
-   only in the type of their scales and offsets (op_input_type, create_kernel). */
+   aliasing hints are left NULL: the runtime skips them for this version. The three ops differ
+   only in their tables (op_input_count, op_input_type, create_kernel). */
 static const OrtCustomOp g_op = BLOCKQ_OP;
 static const OrtCustomOp g_op_half = BLOCKQ_OP;
+static const OrtCustomOp g_op_k = BLOCKQ_OP;
 
 /* ---- Attention ---- */
 
@@ -753,6 +785,7 @@ EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *opt
   if (st != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_op)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_op_half)) != NULL) return st;
+  if ((st = api->CustomOpDomain_Add(domain, &g_op_k)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend_int8)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend_half)) != NULL) return st;
