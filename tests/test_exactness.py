@@ -79,11 +79,12 @@ def test_4bit_blocks_of_32_are_exact_as_exported(tmp_path, demo_target, kwargs, 
 
 def test_own_kernel_exports_are_exact(tmp_path, demo_target):
     """int4 on edgespec's own kernel (the cpu profile's default where it is built): every
-    linear in blocks of 32 on it (the recipe's Q6_K-class ones, in blocks of 16, stay on
-    MatMulNBits), chains bitwise."""
+    linear on it in K-quant tables (the recipe's Q4_K ones in sub-blocks of 32, its
+    Q6_K-class ones in sub-blocks of 16), none left on MatMulNBits, chains bitwise."""
     export(demo_target, tmp_path / "b", precision="int4")
-    assert {4} <= {attr(n, "bits") for n in nodes(tmp_path / "b", "BlockQMatMul")}
-    assert {16} == {attr(n, "block_size") for n in nodes(tmp_path / "b", "MatMulNBits")}
+    own = nodes(tmp_path / "b", "BlockQMatMulK")
+    assert {(4, 32), (8, 16)} == {(attr(n, "bits"), attr(n, "sub")) for n in own}
+    assert not nodes(tmp_path / "b", "MatMulNBits")
     assert_exact(tmp_path / "b")
 
 

@@ -245,11 +245,11 @@ def test_a_loaded_engine_holds_little_more_than_its_weights(bundles):
 
 
 def test_the_files_linears_run_on_the_own_kernel(bundles):
-    """Every linear in blocks of 32 (Q4_1, Q8_0; Q4_K, Q5_0) runs on edgespec's kernel
-    (BlockQMatMulHalf where every scale and offset is a float16: Q4_1, Q5_0, Q8_0;
-    BlockQMatMul for Q4_K's products), so the logits tests above measure it; Gemma's Q6_K
-    (blocks of 16) stays on MatMulNBits. The accuracy_level 0 export (fp32 activations)
-    keeps ONNX Runtime's kernels."""
+    """Every linear of both files runs on edgespec's kernel (BlockQMatMulHalf where every
+    scale and offset is a float16: Q4_1, Q5_0, Q8_0; BlockQMatMulK for Gemma's K-quants,
+    Q4_K and Q6_K in blocks of 16, in their super-block tables), so the logits tests above
+    measure it. The accuracy_level 0 export (fp32 activations) keeps ONNX Runtime's
+    kernels."""
     def ops(name: str) -> dict[str, set[int]]:
         graph = onnx.load(str(bundles / name / "target.onnx"), load_external_data=False).graph
         found: dict[str, set[int]] = {}
@@ -260,8 +260,7 @@ def test_the_files_linears_run_on_the_own_kernel(bundles):
         return found
 
     assert ops("smollm2") == {"BlockQMatMulHalf": {4, 8}}
-    assert ops("gemma") == {"BlockQMatMul": {4}, "BlockQMatMulHalf": {8},
-                            "MatMulNBits": {8, 16}}
+    assert ops("gemma") == {"BlockQMatMulK": {4, 8}, "BlockQMatMulHalf": {8}}
     assert set(ops("smollm2-acc0")) == {"MatMulNBits"}
 
 
