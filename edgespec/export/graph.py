@@ -119,7 +119,7 @@ class GraphBuilder:
         self.hessians: dict[str, np.ndarray] = {}  # rowwise weights' inputs' XᵀX, for GPTQ
         self.two_rows = False  # passes have two rows at least (exact_rows)
         self.pad_attention = False  # only attention's passes do (every linear exact at one)
-        self.own_kernel = False  # block-of-32 codes on edgespec's kernel (blockq_ops)
+        self.own_kernel = False  # codes on edgespec's kernel where it takes them (blockq_ops.fits)
         self.own_attention = False  # edgespec's attention op instead of GQA (gqa)
         self.kv_half = False  # its caches in float16 (AttentionHalf)
         self._six: list[tuple[str, np.ndarray]] = []
@@ -688,7 +688,7 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     whole prompt is a fifth of a SmolLM2 prefill, most of a Gemma 3 one); two, not one,
     so its rows go through the same multi-row kernels as in any other pass (exact_rows)
     and stay bitwise what a full pass gives.
-    `own_kernel` runs block-of-32 4/8-bit codes on edgespec's CPU kernel (blockq_ops);
+    `own_kernel` runs the codes it takes on edgespec's CPU kernel (blockq_ops.fits);
     None: on the cpu profile with int8 activations (accuracy_level 4) where this
     installation has the library (kernels.for_export). `own_attention` puts attention on
     its attention op (gqa); None: on the cpu profile where the library is there. Its
