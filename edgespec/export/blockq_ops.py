@@ -42,13 +42,16 @@ def k_tables(q: QuantizedWeight) -> tuple[np.ndarray, ...] | None:
     with w = D·σ·u + M·μ for the raw codes u (a minimum m = M·μ, or a zero point z as
     M = -z·D and μ = σ); None for other encodings."""
     stored = q.stored or {}
-    parts, mins = stored.get("scales", ()), stored.get("mins")
+    pairs = [stored.get("scales", ())] + ([stored["mins"]] if "mins" in stored else [])
     supers, subs = q.k // SUPER, q.k // q.block_size
-    if len(parts) != 2 or q.k % SUPER or (len(mins) != 2 if mins else False):
+    if q.k % SUPER or any(len(pair) != 2 for pair in pairs):
         return None
-    # [N, G, 1] and [N, G, P] as the encodings give them, or flat per row (QuantizedWeight.rows)
-    if [p.size for p in parts + (mins or ())] != [q.n * supers, q.n * subs] * (1 + bool(mins)):
+    # float16 [N, G, 1] and integers [N, G, P] as the encodings give them, or flat per row
+    # (QuantizedWeight.rows)
+    if any(big.dtype != np.float16 or big.size != q.n * supers or small.size != q.n * subs
+           or not np.issubdtype(small.dtype, np.integer) for big, small in pairs):
         return None
+    parts, mins = pairs[0], (pairs[1] if len(pairs) == 2 else None)
     d, sigma = parts[0].reshape(q.n, supers), parts[1].reshape(q.n, subs)
     if mins is not None:
         m, mu = mins[0].reshape(q.n, supers), mins[1].reshape(q.n, subs)
