@@ -19,7 +19,9 @@ from typing import Any
 LLAMA_BIN = Path("/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build2/bin")
 LLAMA_BUILD = ("build llama.cpp with GGML_NATIVE=OFF and the AMX options off (the native build "
                "dies with SIGILL on AVX2-only CPUs): cmake -B build2 -DGGML_NATIVE=OFF "
-               "-DGGML_AVX2=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF && "
+               "-DGGML_AVX2=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "
+               "(on an AVX-512 CPU add -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON, or it races "
+               "with AVX2 only) && "
                "cmake --build build2 --target llama-completion llama-bench llama-speculative "
                "-j2, then pass "
                "--llama-bin build2/bin")
