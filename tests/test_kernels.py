@@ -31,17 +31,12 @@ def weights(n: int, k: int, bits: int, seed: int = 0):
     return u, s, o, w.reshape(n, k)
 
 
-def tiled(v: np.ndarray) -> np.ndarray:
-    n, nb = v.shape
-    return np.ascontiguousarray(v.reshape(n // 16, 16, nb).transpose(0, 2, 1)).reshape(-1)
-
-
 def session(u, s, o, bits, threads: int = 2, half: bool = False,
             codebook: bool = False) -> ort.InferenceSession:
     """One BlockQMatMul (BlockQMatMulHalf with `half`: float16 scales and offsets)."""
     dtype = np.float16 if half else np.float32
-    return session_of(tiled_codes(u, bits), tiled(s).astype(dtype), tiled(o).astype(dtype),
-                      u.shape[1], bits, threads, codebook=codebook)
+    return session_of(tiled_codes(u, bits), lane_tiled(s).astype(dtype),
+                      lane_tiled(o).astype(dtype), u.shape[1], bits, threads, codebook=codebook)
 
 
 def session_of(codes, scales, offsets, k: int, bits: int, threads: int = 2,
@@ -166,7 +161,7 @@ def test_kept_rows_of_the_tables_give_those_rows_outputs(bits, half):
     bitwise the full op's, in the chosen order; the padding to a whole tile gives 0."""
     u, s, o, _ = weights(96, 256, bits, seed=6)
     dtype = np.float16 if half else np.float32
-    tables = tiled_codes(u, bits), tiled(s).astype(dtype), tiled(o).astype(dtype)
+    tables = tiled_codes(u, bits), lane_tiled(s).astype(dtype), lane_tiled(o).astype(dtype)
     rows = np.random.default_rng(7).choice(96, 37, replace=False)
     kept = kept_rows(tables[0], 256, bits, rows, *tables[1:])
     assert kept[1].dtype == dtype and kept[1].size == 48 * 256 // 32
@@ -246,7 +241,8 @@ def test_gated_product_is_the_dequantized_one_and_row_invariant(bits):
     u, s, o, w = weights(64, 256, bits, seed=12)
     x = (np.random.default_rng(13).standard_normal((1, 9, 512)) * 3).astype(np.float32)
     dtype = np.float16
-    run = session_of(tiled_codes(u, bits), tiled(s).astype(dtype), tiled(o).astype(dtype),
+    run = session_of(tiled_codes(u, bits), lane_tiled(s).astype(dtype),
+                     lane_tiled(o).astype(dtype),
                      256, bits, gated=True)
     y = run.run(None, {"x": x})[0]
     act = silu_mul(x[0]).astype(np.float32)

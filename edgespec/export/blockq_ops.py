@@ -107,8 +107,7 @@ def kept_rows(codes: np.ndarray, k: int, bits: int, rows: np.ndarray,
 
     def table(values: np.ndarray) -> np.ndarray:  # [N/16, per tile, 16]
         per = values.size // n
-        grid = kept(values.reshape(n // LANES, per, LANES).transpose(0, 2, 1))
-        return np.ascontiguousarray(grid.reshape(-1, LANES, per).transpose(0, 2, 1)).reshape(-1)
+        return lane_tiled(kept(values.reshape(n // LANES, per, LANES).transpose(0, 2, 1)))
 
     return (tiled_codes(kept(rows_k), bits), *(table(t) for t in tables))
 
@@ -277,7 +276,10 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
                            lane], f"{key}.base")
         at = op("Add", [op("Unsqueeze", [start, last], f"{key}.bu"), g.const(
             f"gq.fsteps.{per_tile}", np.arange(per_tile, dtype=i64) * LANES)], f"{key}.at")
-        return op("Cast", [op("Gather", [table, at], key)], f"{key}.f", to=TensorProto.FLOAT)
+        got = op("Gather", [table, at], key)
+        if kind == "BlockQMatMul":  # float32 tables already
+            return got
+        return op("Cast", [got], f"{key}.f", to=TensorProto.FLOAT)
 
     def per_block(at: int, key: str) -> str:
         """Each block's (or sub-block's) scale or offset: [1, S, blocks, 1]."""

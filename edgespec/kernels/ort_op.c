@@ -134,14 +134,17 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   if (codebook != 0 && (codebook != 1 || bits != 4))
     return op_error(api, ORT_INVALID_ARGUMENT, "codebook must be 0, or 1 with bits 4, got %lld",
                     (long long)codebook);
-  const int64_t sub = op == &g_op_k ? optional_attr(api, info, "sub") : 0;
-  if (op == &g_op_k && (sub != 16 && sub != 32))
-    return op_error(api, ORT_INVALID_ARGUMENT, "sub must be 16 or 32, got %lld", (long long)sub);
-  if (op == &g_op_k && K % 256 != 0)
-    return op_error(api, ORT_INVALID_ARGUMENT, "K must be a multiple of 256 (super-blocks), "
-                    "got %lld", (long long)K);
-  if (sub == 16 && codebook != 0)
-    return op_error(api, ORT_INVALID_ARGUMENT, "a codebook needs sub 32");
+  int64_t sub = 0;
+  if (op == &g_op_k) {
+    if ((st = read_attr(api, info, "sub", &sub)) != NULL) return st;
+    if (sub != 16 && sub != 32)
+      return op_error(api, ORT_INVALID_ARGUMENT, "sub must be 16 or 32, got %lld", (long long)sub);
+    if (K % 256 != 0)
+      return op_error(api, ORT_INVALID_ARGUMENT, "K must be a multiple of 256 (super-blocks), "
+                      "got %lld", (long long)K);
+    if (sub == 16 && codebook != 0)
+      return op_error(api, ORT_INVALID_ARGUMENT, "a codebook needs sub 32");
+  }
   if (N > INT64_MAX / K)
     return op_error(api, ORT_INVALID_ARGUMENT, "K*N is too large (K=%lld, N=%lld)",
                     (long long)K, (long long)N);
