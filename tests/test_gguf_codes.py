@@ -153,14 +153,18 @@ def test_real_tensors_are_exact(path, name):
     assert_bitwise(effective_weights(np.asarray(t.data), t.tensor_type), ref)
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q5_0, T.Q2_K, T.Q3_K,
-                                   T.IQ4_XS], ids=lambda t: t.name)
-def test_embedding_rows_gathered_from_codes_are_exact(qtype):
+@pytest.mark.parametrize("own_kernel", [False, True], ids=["nbits", "own"])
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q4_K, T.Q6_K, T.Q5_0, T.Q5_1, T.Q5_K,
+                                   T.Q2_K, T.Q3_K, T.IQ4_XS], ids=lambda t: t.name)
+def test_embedding_rows_gathered_from_codes_are_exact(qtype, own_kernel):
     """The tied head's codes serve as the embedding table: the gathered rows are the
-    dequantized rows, bitwise."""
+    dequantized rows, bitwise, from MatMulNBits' layout and from the own kernel's (its
+    tiles, K-quant tables, 5- and 6-bit codes' bit planes)."""
     blocks = blocks_of(qtype, 64, np.random.default_rng(7))
     q = encode(blocks, qtype)
     g = GraphBuilder("int8", q.block_size, accuracy_level=0)
+    g.own_kernel = own_kernel
+    assert g.on_own_kernel(q) == own_kernel
     out = g.gather_rows(q, "ids", "embed")
     ids = np.array([[0, 63, 5, 5, 17]], np.int64)
     got = run_graph(g, {"ids": ids}, out, {"ids": TensorProto.INT64})

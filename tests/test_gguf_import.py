@@ -247,7 +247,8 @@ def test_a_loaded_engine_holds_little_more_than_its_weights(bundles):
 def test_the_files_linears_run_on_the_own_kernel(bundles):
     """Every linear of both files runs on edgespec's kernel (BlockQMatMulHalf where every
     scale and offset is a float16: Q4_1, Q5_0, Q8_0; BlockQMatMulK for Gemma's K-quants,
-    Q4_K and Q6_K in blocks of 16, in their super-block tables), so the logits tests above
+    Q4_K and Q6_K in blocks of 16, in their super-block tables; Q5_0 and Q6_K at 5 and 6
+    bits a code), so the logits tests above
     measure it. The accuracy_level 0 export (fp32 activations) keeps ONNX Runtime's
     kernels."""
     def ops(name: str) -> dict[str, set[int]]:
@@ -260,7 +261,7 @@ def test_the_files_linears_run_on_the_own_kernel(bundles):
         return found
 
     assert ops("smollm2") == {"BlockQMatMulHalf": {4, 8}}
-    assert ops("gemma") == {"BlockQMatMulK": {4, 8}, "BlockQMatMulHalf": {8}}
+    assert ops("gemma") == {"BlockQMatMulK": {4, 6}, "BlockQMatMulHalf": {5, 8}}
     assert set(ops("smollm2-acc0")) == {"MatMulNBits"}
 
 
@@ -358,8 +359,9 @@ def tiny_gguf(path: Path, arch: str = "llama", qtype=gguf.GGMLQuantizationType.Q
         elif kind in (T.Q4_K, T.Q6_K):  # edgespec's port of llama.cpp's own quantizers
             w.add_tensor(name, kquants.quantize(data, kind), raw_dtype=kind)
         elif kind.name.startswith("IQ") or kind.name.endswith("_K"):  # gguf-py cannot quantize
-            # IQ4_XS's d multiplies a 6-bit scale and a grid value up to 127: weights ~0.1
-            scales = (1e-5, 3e-4) if kind == T.IQ4_XS else (1e-3, 3e-2)
+            # IQ4_XS's d multiplies a 6-bit scale and a grid value up to 127, Q5_K's a 6-bit
+            # scale and a code up to 31: weights ~0.1
+            scales = (1e-5, 3e-4) if kind in (T.IQ4_XS, T.Q5_K) else (1e-3, 3e-2)
             w.add_tensor(name, k_quant_blocks(kind, shape[0], rng, shape[1], scales),
                          raw_dtype=kind)
         else:
@@ -402,14 +404,19 @@ def test_a_tiny_well_formed_file_exports_and_runs(tmp_path):
 
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS],
-                         ids=lambda t: t.name)
+# the code width the own kernel reads each type at (5- and 6-bit codes at their own)
+KERNEL_BITS = {T.Q2_K: 4, T.Q3_K: 4, T.Q4_K: 4, T.Q5_K: 5, T.Q6_K: 6, T.IQ4_NL: 4,
+               T.IQ4_XS: 4, T.Q5_0: 5, T.Q5_1: 5}
+
+
+@pytest.mark.parametrize("qtype", list(KERNEL_BITS), ids=lambda t: t.name)
 def test_files_of_the_low_bit_types_export_with_their_own_weights(tmp_path, qtype):
-    """K-quants (sub-blocks of 16 or 32) and IQ4's table codes, in every linear and in the
-    tied embedding the head shares: with float32 activations (MatMulNBits) the logits are
-    transformers' own from the file; the default export puts every one on the own kernel
-    (the K-quants in their super-block tables), and its logits (int8 activations) are close
-    and batch invariant."""
+    """K-quants (sub-blocks of 16 or 32), IQ4's table codes and the 5-bit types, in every
+    linear and in the tied embedding the head shares: with float32 activations
+    (MatMulNBits) the logits are transformers' own from the file; the default export puts
+    every one on the own kernel (the K-quants in their super-block tables, 5- and 6-bit
+    codes read at their width), and its logits (int8 activations) are close and batch
+    invariant."""
     from edgespec.runtimes.exactness import measure
 
     path = tiny_gguf(tmp_path / "tiny.gguf", qtype=qtype, d=256, embed=qtype, vocab=304)
@@ -419,9 +426,12 @@ def test_files_of_the_low_bit_types_export_with_their_own_weights(tmp_path, qtyp
     export(path, tmp_path / "acc0", accuracy_level=0)
     assert np.abs(bundle_logits(tmp_path / "acc0", ids) - ref).max() < 1e-4
     export(path, tmp_path / "b")
-    ops = {n.op_type for n in onnx.load(tmp_path / "b" / "target.onnx").graph.node}
+    nodes = onnx.load(tmp_path / "b" / "target.onnx").graph.node
+    ops = {n.op_type for n in nodes}
     assert "MatMulNBits" not in ops
-    assert ("BlockQMatMulK" in ops) == (qtype != T.IQ4_NL)
+    assert ("BlockQMatMulK" in ops) == (qtype.name.endswith("_K") or qtype == T.IQ4_XS)
+    assert {a.i for n in nodes for a in n.attribute if a.name == "bits"} == {
+        KERNEL_BITS[qtype], 8}  # ffn_down is Q8_0
     assert kl_top1(ref, bundle_logits(tmp_path / "b", ids))[0] < 0.01
     with edgespec.load(tmp_path / "b", device="cpu") as engine:
         got = measure(engine.target, ids[:20], ids[20:37], trees=())

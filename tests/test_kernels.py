@@ -80,7 +80,7 @@ def every_path() -> Iterator[tuple[ctypes.CDLL, int]]:
         lib.blockq_limit_path(-1)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_product_is_the_dequantized_one(bits, threads):
     u, s, o, w = weights(208, 576, bits)
@@ -93,7 +93,7 @@ def test_product_is_the_dequantized_one(bits, threads):
     assert np.abs(y[0] - x[0] @ w.T).max() < 0.02 * np.abs(exact).max()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_every_row_is_bitwise_its_one_row_pass(bits):
     u, s, o, _ = weights(96, 1536, bits, seed=2)
     x = np.random.default_rng(3).standard_normal((1, 17, 1536)).astype(np.float32)
@@ -107,7 +107,7 @@ def test_every_row_is_bitwise_its_one_row_pass(bits):
     assert np.array_equal(alone, one_thread)  # nor does the split among threads matter
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_every_kernel_path_and_table_type_gives_the_same_bits(bits):
     """The portable C kernel (any CPU), the AVX2 one and the AVX-512 VNNI one give the same
     results bit for bit, for whichever of them this CPU runs (the test host: all three),
@@ -152,9 +152,14 @@ def test_bad_shapes_are_refused_with_the_reason():
     u, s, o, _ = weights(32, 64, 8)
     with pytest.raises(Exception, match="BlockQMatMul"):
         session(u, s, o, 8).run(None, {"x": np.zeros((1, 2, 32), np.float32)})
+    with pytest.raises(Exception, match="bits must be 4, 5, 6 or 8, got 7"):
+        session_of(tiled_codes(u, 8), lane_tiled(s), lane_tiled(o), 64, 7)
+    with pytest.raises(Exception, match="codes has 2048 elements, expected N\\*K\\*bits/8"):
+        session_of(tiled_codes(u, 8), lane_tiled(s), lane_tiled(o), 64, 6).run(
+            None, {"x": np.zeros((1, 1, 64), np.float32)})
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("half", [False, True])
 def test_kept_rows_of_the_tables_give_those_rows_outputs(bits, half):
     """Re-trimming an exported head slices the kernel's tables: the kept rows' outputs are
@@ -234,7 +239,7 @@ def test_gated_activation_is_silu_times_up_on_every_path():
         assert np.array_equal(out, got[0])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_gated_product_is_the_dequantized_one_and_row_invariant(bits):
     """The gated op = the product of the dequantized weight and the int8-quantized
     silu(gate) · up (numpy's), and every row is bitwise its one-row result."""
@@ -296,7 +301,7 @@ def k_session_of(codes, tables, k: int, bits: int, sub: int,
     return kernels.op_session(graph, threads)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
 @pytest.mark.parametrize("sub", [16, 32])
 def test_k_quant_tables_give_the_dequantized_product_on_every_path(bits, sub):
     """BlockQMatMulK (GGUF's K-quants, kept at their size): numpy's product of D·σ·u + M·μ
@@ -333,17 +338,18 @@ def test_k_quant_tables_in_blocks_of_32_are_bitwise_the_per_block_float_ones():
     assert np.array_equal(got, want)
 
 
-def test_kept_rows_of_k_quant_tables_give_those_rows_outputs():
+@pytest.mark.parametrize("bits", [6, 8])
+def test_kept_rows_of_k_quant_tables_give_those_rows_outputs(bits):
     """Re-trimming a head in K-quant tables keeps the rows of its codes and of all four
-    tables, bitwise the full op's outputs in the chosen order."""
-    u, tables, _ = k_weights(96, 512, 8, 16, seed=18)
+    tables, bitwise the full op's outputs in the chosen order (6 bits: GGUF's Q6_K head)."""
+    u, tables, _ = k_weights(96, 512, bits, 16, seed=18)
     flat = [lane_tiled(t) for t in tables]
     rows = np.random.default_rng(19).choice(96, 37, replace=False)
-    codes, *kept = kept_rows(tiled_codes(u, 8), 512, 8, rows, *flat)
+    codes, *kept = kept_rows(tiled_codes(u, bits), 512, bits, rows, *flat)
     assert [t.dtype for t in kept] == [t.dtype for t in flat]
     x = np.random.default_rng(20).standard_normal((1, 3, 512)).astype(np.float32)
-    full = k_session(u, tables, 8, 16).run(None, {"x": x})[0]
-    got = k_session_of(codes, kept, 512, 8, 16).run(None, {"x": x})[0]
+    full = k_session(u, tables, bits, 16).run(None, {"x": x})[0]
+    got = k_session_of(codes, kept, 512, bits, 16).run(None, {"x": x})[0]
     assert np.array_equal(got[..., :37], full[..., rows])
     assert not got[..., 37:].any()
 

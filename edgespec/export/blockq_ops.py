@@ -7,17 +7,18 @@ own kernel reads each weight block once for all rows, quantizes activations per 
 block of 32 to int8 as llama.cpp does for these types, applies scale and offset inside,
 and gives every row bitwise the same result whatever the number of rows (blockq.h).
 
-It takes any block-of-32 encoding with 4- or 8-bit codes (GGUF Q4_0, Q4_1, Q5_0, Q5_1,
-IQ4_NL, Q8_0; edgespec's own int4/int8) as codes u, scale s and offset o per block:
+It takes any block-of-32 encoding with 4-, 5-, 6- or 8-bit codes (GGUF Q4_0, Q4_1, Q5_0,
+Q5_1, IQ4_NL, Q8_0; edgespec's own int4/int8) as codes u, scale s and offset o per block:
 w = s·u + o, o = m - z·s for the encoding's zero point z and minimum m; scales and offsets
 are computed and laid out at session load from the source's own storage (ONNX Runtime
 folds the constant nodes). Encodings whose scales are a float16 per super-block of 256
 times a small integer per sub-block of 16 or 32 (GGUF's K-quants Q2_K-Q6_K, IQ4_XS;
 edgespec's own int4, which is Q4_K_M) keep that form (`k_tables`, op BlockQMatMulK): 4.6
 bits a Q4_K weight are read instead of 6 with a float scale and offset per block, and
-blocks of 16 run on the kernel too. Codes are stored in the kernel's tiled layout (5- and
-6-bit values as GGUF keeps them: 4-bit low parts and 1- or 2-bit high parts), so a bundle
-is no bigger than with ONNX Runtime's kernels.
+blocks of 16 run on the kernel too. Codes are stored in the kernel's tiled layout, 5- and
+6-bit ones (GGUF's Q5_*, Q6_K) as 4-bit low parts and 1 or 2 bit planes that the kernel
+reads as they are, so a bundle is no bigger than the GGUF file's codes and a step reads
+no more of them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from onnx import TensorProto
 
 from edgespec.kernels import DOMAIN
-from edgespec.quant.blockwise import IQ4_CODES, QuantizedWeight, pack_rows, unpack_rows
+from edgespec.quant.blockwise import IQ4_CODES, QuantizedWeight, unpack_rows
 
 if TYPE_CHECKING:  # graph.py imports this module
     from edgespec.export.graph import GraphBuilder
@@ -68,24 +69,56 @@ def k_tables(q: QuantizedWeight) -> tuple[np.ndarray, ...] | None:
             mu.astype(np.int8))
 
 
+def code_bits(q: QuantizedWeight) -> int:
+    """The width the kernel reads `q`'s codes at: GGUF's 5- and 6-bit values (8-bit codes
+    stored as 4-bit low parts and high parts) at their own."""
+    if "codes" in (q.stored or {}):
+        return 4 + 8 * q.stored["codes"][1].shape[-1] // q.block_size
+    return q.bits
+
+
 def fits(q: QuantizedWeight) -> bool:
     """Whether the kernel takes these codes: blocks of 32 (or K-quant tables in sub-blocks
-    of 16), 4- or 8-bit codes (4-bit ones may index IQ4's grid, the one codebook it knows),
-    whole tiles of 16 output columns."""
+    of 16), 4-, 5-, 6- or 8-bit codes (4-bit ones may index IQ4's grid, the one codebook it
+    knows), whole tiles of 16 output columns."""
     blocks = q.block_size == BLOCK or (q.block_size == 16 and q.codebook is None
                                        and k_tables(q) is not None)
-    return (blocks and q.bits in (4, 8) and q.k % BLOCK == 0 and q.n % LANES == 0
+    return (blocks and code_bits(q) in (4, 5, 6, 8) and q.k % BLOCK == 0 and q.n % LANES == 0
             and (q.codebook is None or np.array_equal(q.codebook, IQ4_CODES)))
 
 
 def tiled_codes(codes: np.ndarray, bits: int) -> np.ndarray:
-    """Codes [N, K] (one byte each) -> the kernel's layout (blockq.h), flat uint8."""
+    """Codes [N, K] (one byte each, below 2**bits) -> the kernel's layout (blockq.h), flat
+    uint8."""
     n, k = codes.shape
     tiles = codes.reshape(n // LANES, LANES, k // BLOCK, 8, 4).transpose(0, 2, 3, 1, 4)
-    if bits == 4:  # groups 2h in the low nibbles, 2h + 1 in the high ones
-        pairs = tiles.reshape(n // LANES, k // BLOCK, 4, 2, LANES, 4)
-        tiles = pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)
-    return np.ascontiguousarray(tiles, dtype=np.uint8).reshape(-1)
+    if bits == 8:
+        return np.ascontiguousarray(tiles, dtype=np.uint8).reshape(-1)
+    # groups 2h in the low nibbles, 2h + 1 in the high ones; then a bit plane per bit above 4
+    pairs = (tiles & 0x0F).reshape(n // LANES, k // BLOCK, 4, 2, LANES, 4)
+    parts = [(pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n // LANES, k // BLOCK, -1)]
+    for p in range(bits - 4):
+        bit = ((tiles >> (4 + p)) & 1).reshape(n // LANES, k // BLOCK, 8, -1)
+        parts.append(np.packbits(bit, axis=-1, bitorder="little").reshape(
+            n // LANES, k // BLOCK, -1))
+    return np.ascontiguousarray(np.concatenate(parts, axis=-1), dtype=np.uint8).reshape(-1)
+
+
+def untiled_codes(tiles: np.ndarray, k: int, bits: int) -> np.ndarray:
+    """tiled_codes' inverse: the codes [N, K], one byte each."""
+    n, nb = tiles.size * 8 // bits // k, k // BLOCK
+    blocks = tiles.reshape(n // LANES, nb, -1)
+    if bits == 8:
+        groups = blocks.reshape(n // LANES, nb, 8, LANES, 4)
+    else:  # undo the nibble pairing (groups 2h, 2h + 1), then add the planes' bits
+        pairs = blocks[..., :256].reshape(n // LANES, nb, 4, 1, LANES, 4)
+        groups = np.concatenate([pairs & 0x0F, pairs >> 4], axis=3).reshape(
+            n // LANES, nb, 8, LANES, 4)
+        for p in range(bits - 4):
+            plane = blocks[..., 256 + 64 * p:256 + 64 * (p + 1)].reshape(n // LANES, nb, 8, 8)
+            bit = np.unpackbits(plane, axis=-1, bitorder="little")
+            groups = groups | (bit.reshape(groups.shape) << (4 + p))
+    return groups.transpose(0, 3, 1, 2, 4).reshape(n, k)
 
 
 def kept_rows(codes: np.ndarray, k: int, bits: int, rows: np.ndarray,
@@ -94,11 +127,8 @@ def kept_rows(codes: np.ndarray, k: int, bits: int, rows: np.ndarray,
     them: scales and offsets, and a K-quant op's sub-block ones) keeping only output
     `rows`, padded with zero rows to whole tiles (their outputs are 0): for re-trimming an
     exported head without the source weights."""
-    n, nb = codes.size * 8 // bits // k, k // BLOCK
-    if bits == 4:  # undo the nibble pairing: groups 2h, 2h + 1
-        pairs = codes.reshape(n // LANES, nb, 4, 1, LANES, 4)
-        codes = np.concatenate([pairs & 0x0F, pairs >> 4], axis=3)
-    rows_k = codes.reshape(n // LANES, nb, 8, LANES, 4).transpose(0, 3, 1, 2, 4).reshape(n, k)
+    rows_k = untiled_codes(codes, k, bits)
+    n = len(rows_k)
     pad = -len(rows) % LANES
 
     def kept(table: np.ndarray) -> np.ndarray:
@@ -155,20 +185,8 @@ def halves(q: QuantizedWeight) -> bool:
 
 def _codes(g: GraphBuilder, q: QuantizedWeight, store: str) -> str:
     """The kernel's tiled codes for `q`."""
-    tiles = tiled_codes(unpack_rows(q.packed, q.bits).reshape(q.n, -1)[:, :q.k], q.bits)
-    if "codes" not in (q.stored or {}):
-        return g.const(f"{store}.tiles", tiles)
-    # 5- and 6-bit values in 8-bit codes: stored as GGUF sizes them (low nibbles, high
-    # bits), joined at session load
-    high_bits = 8 * q.stored["codes"][1].shape[-1] // q.block_size
-    shape = g.const(f"{store}.tiles.shape", np.array([tiles.size], np.int64))
-    low = g.unpacked(g.const(f"{store}.tiles.low", pack_rows(tiles[None] & 0x0F, 4)), 4,
-                     shape, f"{store}.tiles.low")
-    high = g.unpacked(g.const(f"{store}.tiles.high", pack_rows(tiles[None] >> 4, high_bits)),
-                      high_bits, shape, f"{store}.tiles.high")
-    high = g.node("BitShift", [high, g.const("four.u8", np.array(4, np.uint8))],
-                  [f"{store}.tiles.hs"], f"{store}.tiles.hs", direction="LEFT")[0]
-    return g.node("BitwiseOr", [low, high], [f"{store}.tiles"], f"{store}.tiles")[0]
+    codes = unpack_rows(q.packed, q.bits).reshape(q.n, -1)[:, :q.k]
+    return g.const(f"{store}.tiles", tiled_codes(codes, code_bits(q)))
 
 
 def _block_tables(g: GraphBuilder, q: QuantizedWeight, store: str) -> tuple[str, str, bool]:
@@ -224,7 +242,7 @@ def linear(g: GraphBuilder, x: str, q: QuantizedWeight, name: str, store: str,
     """y = x @ wᵀ on the own kernel; `gated`: x is [gate, up] and y = (silu(gate)·up) @ wᵀ."""
     tables, op = _tables(g, q, store)
     return g.node(op, [x, *tables], [f"{name}.out"], name, domain=DOMAIN, K=q.k, N=q.n,
-                  bits=q.bits, **({"gated": 1} if gated else {}),
+                  bits=code_bits(q), **({"gated": 1} if gated else {}),
                   **({"codebook": 1} if q.codebook is not None else {}),
                   **({"sub": q.block_size} if op == "BlockQMatMulK" else {}))[0]
 
@@ -233,8 +251,9 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
     """Embedding rows [1, S, K] read from a tied head's tiled codes (stored once): row n
     is lane n % 16 of tile n // 16, s·u + o per block (or sub-block: s = D·σ, o = M·μ)."""
     (codes, *tables), kind = _tables(g, q, store)
-    nb, i64 = q.k // BLOCK, np.int64
-    units = 8 if q.bits == 8 else 4  # 16 x 4 bytes each: one group, or two in nibbles
+    nb, i64, bits = q.k // BLOCK, np.int64, code_bits(q)
+    units = 8 if bits == 8 else 4  # 16 x 4 bytes each: one group, or two in nibbles
+    block_bytes = 64 * bits
 
     def const(key: str, value: int) -> str:
         return g.const(f"gq.{key}.{value}", np.array(value, i64))
@@ -242,26 +261,51 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
     def op(kind: str, inputs: list[str], out: str, **attrs) -> str:
         return g.node(kind, inputs, [f"{store}.g.{out}"], f"{store}.g.{out}", **attrs)[0]
 
+    def u8(key: str, value) -> str:
+        return g.const(f"gq.u8.{key}", np.array(value, np.uint8))
+
     tile = op("Div", [ids, const("lanes", LANES)], "tile")
     lane = op("Mod", [ids, const("lanes", LANES)], "lane")
     last = g.const("i64.last", np.array([-1], i64))
-    # codes: the row's 4 bytes in every unit of its tile
-    base = op("Add", [op("Mul", [tile, const("units", nb * units * LANES)], "tbase"), lane],
-              "cbase")
-    index = op("Add", [op("Unsqueeze", [base, last], "cbu"), g.const(
-        f"gq.steps.{nb}.{units}", np.arange(nb * units, dtype=i64) * LANES)], "cindex")
-    # byte indices into the flat codes: a Reshape of them to rows of 4 would be folded at
-    # session load into a copy of the whole table (160 MB for Gemma 3's head)
-    first = op("Mul", [op("Unsqueeze", [index, last], "cindex.u"), const("bytes", 4)], "first")
-    got = op("Gather", [codes, op("Add", [first, g.const("gq.four_bytes", np.arange(
-        4, dtype=i64))], "bytes")], "codes")  # [1, S, nb * units, 4]
-    if q.bits == 4:  # group 2h in the low nibbles, 2h + 1 in the high ones
+    tile_at = op("Mul", [tile, const("tile_bytes", nb * block_bytes)], "tile_at")
+
+    def bytes_at(lane_at: str, steps: np.ndarray, key: str) -> str:
+        """The bytes at tile_at + lane_at + each of `steps` (a byte offset within a tile)."""
+        base = op("Unsqueeze", [op("Add", [tile_at, lane_at], f"{key}.base"), last], f"{key}.bu")
+        return op("Gather", [codes, op("Add", [base, g.const(f"gq.{key}.{nb}.{bits}", steps)],
+                                       f"{key}.at")], key)
+
+    # codes: the row's 4 bytes in every unit of its tile (byte indices into the flat codes:
+    # a Reshape of them to rows of 4 would be folded at session load into a copy of the whole
+    # table, 160 MB for Gemma 3's head)
+    unit_at = (np.arange(nb)[:, None] * block_bytes + np.arange(units) * 64).reshape(-1)
+    four_bytes = (unit_at[:, None] + np.arange(4)).reshape(-1).astype(i64)
+    got = bytes_at(op("Mul", [lane, const("four", 4)], "lane4"), four_bytes, "codes")
+    got = op("Reshape", [got, g.const(f"gq.units.{nb * units}", np.array(
+        [1, -1, nb * units, 4], i64))], "units")
+    if bits != 8:  # group 2h in the low nibbles, 2h + 1 in the high ones
         two = g.const("i64.minus2", np.array([-2], i64))
-        low = op("BitwiseAnd", [got, g.const("mask.4", np.array(15, np.uint8))], "low")
-        high = op("BitShift", [got, g.const("four.u8", np.array(4, np.uint8))], "high",
-                  direction="RIGHT")
+        low = op("BitwiseAnd", [got, u8("15", 15)], "low")
+        high = op("BitShift", [got, u8("4", 4)], "high", direction="RIGHT")
         got = op("Concat", [op("Unsqueeze", [low, two], "lowu"),
                             op("Unsqueeze", [high, two], "highu")], "pairs", axis=-2)
+    planes = bits - 4 if bits != 8 else 0
+    if planes:  # 5 and 6 bits: lanes 2c and 2c + 1 share a byte of a plane, 4 bits each
+        pair = op("Div", [lane, const("two", 2)], "lane2")
+        odd = op("Unsqueeze", [op("Cast", [op("Mul", [op("Mod", [lane, const("two", 2)], "odd"),
+                                                      const("four", 4)], "odd4")], "odd8",
+                                  to=TensorProto.UINT8), last], "oddu")
+    for p in range(planes):  # plane p's byte in every group, its bit j for input j
+        plane_at = (np.arange(nb)[:, None] * block_bytes + 256 + (p * 8 + np.arange(8)) * 8)
+        byte = bytes_at(pair, plane_at.reshape(-1).astype(i64), f"plane{p}")  # [1, S, nb * 8]
+        nibble = op("BitShift", [byte, odd], f"plane{p}.n", direction="RIGHT")
+        bit = op("BitwiseAnd", [op("BitShift", [op("Unsqueeze", [nibble, last], f"plane{p}.u"),
+                                                u8("0123", np.arange(4))], f"plane{p}.s",
+                                   direction="RIGHT"), u8("1", 1)], f"plane{p}.b")
+        bit = op("BitShift", [op("Reshape", [bit, g.const(f"gq.pairs.{nb}", np.array(
+            [1, -1, nb * 4, 2, 4], i64))], f"plane{p}.r"), u8(str(4 + p), 4 + p)],
+                 f"plane{p}.h", direction="LEFT")
+        got = op("BitwiseOr", [got, bit], f"with{p}")
     if q.codebook is not None:  # indices -> the codes they stand for
         index = op("Cast", [got], "book.i", to=TensorProto.INT32)
         got = op("Gather", [g.const("codebook", q.codebook), index], "book")

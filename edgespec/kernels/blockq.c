@@ -12,6 +12,7 @@
 
 #define GROUPS 8 /* groups of 4 inputs in a block of 32 */
 #define LANES 16 /* columns in a tile */
+#define PLANES_AT 256 /* where a 5- or 6-bit block's bit planes begin, after its low nibbles */
 
 /* Per row and block: d = peak / 127, and the factor taking x to codes (0 for a zero block). */
 static float to_codes(float peak, float *d) {
@@ -74,8 +75,12 @@ static inline int code_at(const uint8_t *block, int64_t bits, const uint8_t *boo
                           int c, int j) {
     if (bits == 8) return block[g * 64 + c * 4 + j];
     const uint8_t byte = block[(g / 2) * 64 + c * 4 + j];
-    const int index = g % 2 ? (byte >> 4) : (byte & 0x0F);
-    return book ? book[index] : index;
+    int code = g % 2 ? (byte >> 4) : (byte & 0x0F);
+    if (book) return book[code];
+    const int i = c * 4 + j; /* 5 and 6 bits: the higher bits from their planes */
+    for (int p = 0; p < bits - 4; ++p)
+        code |= ((block[PLANES_AT + (p * GROUPS + g) * 8 + i / 8] >> (i % 8)) & 1) << (4 + p);
+    return code;
 }
 
 static float table_at(const void *table, int half, int64_t i) {
@@ -215,6 +220,7 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
     const int64_t N = wt->N, nb = x->K / 32;
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
     const int parts = parts_of(SUB), part_pairs = GROUPS / 2 / parts;
+    const int planes = bits == 8 ? 0 : (int)bits - 4;
     const uint8_t *codes = wt->codes;
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i values = book ? _mm512_broadcast_i32x4(
@@ -235,7 +241,7 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
                 __m512i w[2][2];
                 for (int i = 0; i < T; ++i) {
                     const uint8_t *at = codes + ((t + i) * nb + b) * block_bytes;
-                    if (bits == 4) {
+                    if (bits != 8) {
                         const __m512i v = _mm512_loadu_si512((const void *)(at + h * 64));
                         w[i][0] = _mm512_and_si512(v, low);
                         w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -243,6 +249,14 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
                             w[i][0] = _mm512_shuffle_epi8(values, w[i][0]);
                             w[i][1] = _mm512_shuffle_epi8(values, w[i][1]);
                         }
+                        /* 5 and 6 bits: add 16 << p to the codes whose plane-p bit is set */
+                        for (int p = 0; p < planes; ++p)
+                            for (int g = 0; g < 2; ++g) {
+                                const __mmask64 set = _load_mask64(
+                                    (__mmask64 *)(at + PLANES_AT + (p * GROUPS + 2 * h + g) * 8));
+                                w[i][g] = _mm512_mask_add_epi8(w[i][g], set, w[i][g],
+                                                               _mm512_set1_epi8(16 << p));
+                            }
                     } else {
                         w[i][0] = _mm512_loadu_si512((const void *)(at + 2 * h * 64));
                         w[i][1] = _mm512_loadu_si512((const void *)(at + (2 * h + 1) * 64));
@@ -280,8 +294,8 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
 }
 
 /* The exact int32 lane sums of w (unsigned codes) times a (int8) over 4 bytes, as VNNI's
- * dot product gives them. Unsigned 4-bit codes: maddubs' 16-bit pair sums cannot saturate
- * (2 * 15 * 127). 8-bit codes u: (u - 128) * a through sign tricks (pairs at most
+ * dot product gives them. Unsigned codes below 64 (bits 4; 5- and 6-bit codes pass 4 too):
+ * maddubs' 16-bit pair sums cannot saturate (2 * 63 * 127). 8-bit codes u: (u - 128) * a through sign tricks (pairs at most
  * 2 * 128 * 127), and 128 * (the row's code sum) added back per block by the caller. */
 AVX2 INLINE __m256i dot4_avx2(__m256i w, __m256i a, int64_t bits) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -303,6 +317,17 @@ AVX2 INLINE __m256 times8(__m256 table, const int8_t *factors) {
         _mm_loadl_epi64((const __m128i *)factors))));
 }
 
+/* `value` in byte i of 32 where bit i of `set` is 1, else 0: a bit plane of 5- or 6-bit
+ * codes (blockq.h) as the bytes it adds. */
+AVX2 INLINE __m256i plane_bytes(uint32_t set, int value) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)set), spread);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit),
+                            _mm256_set1_epi8((char)value));
+}
+
 /* AVX2: rows m0 .. m0+R-1 of one tile, as two halves of 8 columns. */
 AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, float *y,
                                 int64_t t, int64_t m0, const int R, const Ahead *ahead) {
@@ -311,8 +336,10 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
     const int parts = parts_of(wt->sub), part_pairs = GROUPS / 2 / parts;
     const uint8_t *codes = wt->codes;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    /* a book's codes take all 8 bits: they are multiplied as 8-bit codes are */
-    const int64_t code_bits = wt->book ? 8 : bits;
+    /* a book's codes take all 8 bits: they are multiplied as 8-bit codes are; 5- and 6-bit
+     * ones as 4-bit ones (dot4_avx2) */
+    const int64_t code_bits = wt->book || bits == 8 ? 8 : 4;
+    const int planes = bits == 8 ? 0 : (int)bits - 4;
     const __m256i values = wt->book ? _mm256_broadcastsi128_si256(
         _mm_loadu_si128((const __m128i *)wt->book)) : _mm256_setzero_si256();
     __m256 acc[2][2];
@@ -326,7 +353,7 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
             for (int h = p * part_pairs; h < (p + 1) * part_pairs; ++h) {
                 for (int half = 0; half < 2; ++half) {
                     __m256i w[2];
-                    if (bits == 4) {
+                    if (bits != 8) {
                         const __m256i v = _mm256_loadu_si256((const __m256i *)(block + h * 64 + half * 32));
                         w[0] = _mm256_and_si256(v, low);
                         w[1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -334,6 +361,13 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
                             w[0] = _mm256_shuffle_epi8(values, w[0]);
                             w[1] = _mm256_shuffle_epi8(values, w[1]);
                         }
+                        for (int p = 0; p < planes; ++p)
+                            for (int g = 0; g < 2; ++g) {
+                                uint32_t set;
+                                memcpy(&set, block + PLANES_AT + (p * GROUPS + 2 * h + g) * 8 +
+                                       half * 4, 4);
+                                w[g] = _mm256_or_si256(w[g], plane_bytes(set, 16 << p));
+                            }
                     } else {
                         w[0] = _mm256_loadu_si256((const __m256i *)(block + 2 * h * 64 + half * 32));
                         w[1] = _mm256_loadu_si256((const __m256i *)(block + (2 * h + 1) * 64 + half * 32));
@@ -414,10 +448,27 @@ COLUMNS_VNNI(4, 1, 1, 32)
 COLUMNS_VNNI(8, 1, 0, 32)
 COLUMNS_VNNI(4, 1, 0, 16)
 COLUMNS_VNNI(8, 1, 0, 16)
+/* 5- and 6-bit codes: GGUF's Q5_0, Q5_1 (per-block tables), Q5_K (sub 32), Q6_K (sub 16) */
+COLUMNS_VNNI(5, 0, 0, 0)
+COLUMNS_VNNI(5, 1, 0, 0)
+COLUMNS_VNNI(5, 1, 0, 32)
+COLUMNS_VNNI(5, 1, 0, 16)
+COLUMNS_VNNI(6, 0, 0, 0)
+COLUMNS_VNNI(6, 1, 0, 0)
+COLUMNS_VNNI(6, 1, 0, 32)
+COLUMNS_VNNI(6, 1, 0, 16)
 
 VNNI static void columns_vnni(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
                               int64_t t1) {
-    if (w->sub == 16)
+    if (w->bits == 5)
+        (w->sub == 16 ? columns_vnni_5_1_0_16
+                      : w->sub ? columns_vnni_5_1_0_32
+                               : w->half ? columns_vnni_5_1_0_0 : columns_vnni_5_0_0_0)(x, w, y, t0, t1);
+    else if (w->bits == 6)
+        (w->sub == 16 ? columns_vnni_6_1_0_16
+                      : w->sub ? columns_vnni_6_1_0_32
+                               : w->half ? columns_vnni_6_1_0_0 : columns_vnni_6_0_0_0)(x, w, y, t0, t1);
+    else if (w->sub == 16)
         (w->bits == 4 ? columns_vnni_4_1_0_16 : columns_vnni_8_1_0_16)(x, w, y, t0, t1);
     else if (w->sub)
         (w->bits == 8 ? columns_vnni_8_1_0_32

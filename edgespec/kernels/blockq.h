@@ -13,6 +13,11 @@
  *   bits 8: 64 bytes at ((t*nb + b)*8 + g)*64, byte i = column t*16 + i/4, input b*32 + g*4 + i%4
  *   bits 4: 64 bytes at ((t*nb + b)*4 + h)*64, byte i = column t*16 + i/4 at input
  *           b*32 + 2h*4 + i%4 (low nibble) and b*32 + (2h+1)*4 + i%4 (high nibble)
+ *   bits 5, 6: 64*bits bytes per tile and block: the codes' low 4 bits laid out as for bits
+ *           4 (256 bytes), then a bit plane per higher bit p (0: bit 4, 1: bit 5), group g's
+ *           in 8 bytes at 256 + (p*8 + g)*8, whose bit i (bit i%8 of byte i/8) is that bit
+ *           of the code at byte i of the group's 64 (column i/4, input i%4): GGUF's Q5_*
+ *           and Q6_K read at their own width, not widened to a byte.
  *   scales, offsets: float or half at (t*nb + b)*16 + n%16.
  * K-quant tables (GGUF's Q2_K-Q6_K, IQ4_XS: a float16 per super-block of 256 inputs times
  * a small integer per sub-block of 16 or 32), kept at their own size: w = D·σ·u + M·μ with
@@ -29,10 +34,10 @@
 #include <stdint.h>
 
 /* The version of the weight layout below and of the library's ops (5: AttentionHalf,
- * 6: BlockQMatMul's codebook, 7: BlockQMatMulK);
+ * 6: BlockQMatMul's codebook, 7: BlockQMatMulK, 8: 5- and 6-bit codes);
  * edgespec/kernels/__init__.py's LAYOUT must match, so a library built from other sources
  * is never used on this package's bundles. */
-#define BLOCKQ_LAYOUT 7
+#define BLOCKQ_LAYOUT 8
 int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes
@@ -62,8 +67,8 @@ void blockq_quantize_range(const float *x, BlockqRows *rows, int64_t m0, int64_t
  * every path, so the result is bitwise the same on each. */
 void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out);
 
-/* A weight [N, K] in the layout above: codes, and per block scales and offsets, float or
- * (half != 0) IEEE half, where every value is one exactly (half the bytes to read). With
+/* A weight [N, K] in the layout above: codes (bits 4, 5, 6 or 8), and per block scales and
+ * offsets, float or (half != 0) IEEE half, where every value is one exactly (half the bytes to read). With
  * `book` (4-bit codes only), a code is an index and the weight's code is book[index]: the
  * 16 values of a non-uniform grid (GGUF's IQ4_NL and IQ4_XS: blockq_iq4), which may take
  * all 8 bits, read at 4 bits a weight. With `sub` (16 or 32; 0: per-block tables), the

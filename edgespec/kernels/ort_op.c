@@ -5,7 +5,7 @@
  * calls RegisterCustomOps below. Only the C ABI slice declared in ort_abi.h is used.
  *
  * BlockQMatMul(X, codes, scales, offsets) -> Y, attributes K, N, bits (int64):
- *   X float [..., K]; codes uint8 1-D (N*K/2 for bits 4, N*K for bits 8, layout in blockq.h);
+ *   X float [..., K]; codes uint8 1-D (N*K*bits/8 for bits 4, 5, 6 or 8, layout in blockq.h);
  *   scales, offsets float 1-D (N*K/32); Y float [..., N] with X's leading dimensions.
  * BlockQMatMulHalf: the same with scales and offsets in float16 (half the bytes per step).
  * Optional attribute gated (int64, 0 by default): X is [..., 2K], a gated MLP's gate and up
@@ -128,8 +128,8 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   if (N <= 0 || N % 16 != 0)
     return op_error(api, ORT_INVALID_ARGUMENT, "N must be a positive multiple of 16, got %lld",
                     (long long)N);
-  if (bits != 4 && bits != 8)
-    return op_error(api, ORT_INVALID_ARGUMENT, "bits must be 4 or 8, got %lld",
+  if (bits != 4 && bits != 5 && bits != 6 && bits != 8)
+    return op_error(api, ORT_INVALID_ARGUMENT, "bits must be 4, 5, 6 or 8, got %lld",
                     (long long)bits);
   if (codebook != 0 && (codebook != 1 || bits != 4))
     return op_error(api, ORT_INVALID_ARGUMENT, "codebook must be 0, or 1 with bits 4, got %lld",
@@ -269,8 +269,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     if (in[i] == NULL) return op_error(api, ORT_INVALID_ARGUMENT, "input %zu is missing", i);
   }
 
-  if ((st = check_vector(api, in[1], "codes", bits == 4 ? N * K / 2 : N * K,
-                         bits == 4 ? "N*K/2 for bits 4" : "N*K for bits 8")) != NULL)
+  if ((st = check_vector(api, in[1], "codes", N * K / 8 * bits, "N*K*bits/8")) != NULL)
     return st;
   const int64_t per_table = k->sub ? K / 256 : nb, per_sub = k->sub ? K / k->sub : 0;
   const char *table_rule = k->sub ? "N*K/256" : "N*K/32";
