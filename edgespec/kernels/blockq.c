@@ -295,8 +295,9 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
 
 /* The exact int32 lane sums of w (unsigned codes) times a (int8) over 4 bytes, as VNNI's
  * dot product gives them. Unsigned codes below 64 (bits 4; 5- and 6-bit codes pass 4 too):
- * maddubs' 16-bit pair sums cannot saturate (2 * 63 * 127). 8-bit codes u: (u - 128) * a through sign tricks (pairs at most
- * 2 * 128 * 127), and 128 * (the row's code sum) added back per block by the caller. */
+ * maddubs' 16-bit pair sums cannot saturate (2 * 63 * 127). 8-bit codes u: (u - 128) * a
+ * through sign tricks (pairs at most 2 * 128 * 127), and 128 * (the row's code sum) added
+ * back per block by the caller. */
 AVX2 INLINE __m256i dot4_avx2(__m256i w, __m256i a, int64_t bits) {
     const __m256i ones = _mm256_set1_epi16(1);
     if (bits == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
@@ -460,14 +461,14 @@ COLUMNS_VNNI(6, 1, 0, 16)
 
 VNNI static void columns_vnni(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
                               int64_t t1) {
-    if (w->bits == 5)
-        (w->sub == 16 ? columns_vnni_5_1_0_16
-                      : w->sub ? columns_vnni_5_1_0_32
-                               : w->half ? columns_vnni_5_1_0_0 : columns_vnni_5_0_0_0)(x, w, y, t0, t1);
-    else if (w->bits == 6)
-        (w->sub == 16 ? columns_vnni_6_1_0_16
-                      : w->sub ? columns_vnni_6_1_0_32
-                               : w->half ? columns_vnni_6_1_0_0 : columns_vnni_6_0_0_0)(x, w, y, t0, t1);
+/* the instantiation for 5- or 6-bit codes (B) and w's tables */
+#define WIDE_VNNI(B)                                                                          \
+    (w->sub == 16 ? columns_vnni_##B##_1_0_16                                                 \
+     : w->sub     ? columns_vnni_##B##_1_0_32                                                 \
+     : w->half    ? columns_vnni_##B##_1_0_0                                                  \
+                  : columns_vnni_##B##_0_0_0)
+    if (w->bits == 5 || w->bits == 6)
+        (w->bits == 5 ? WIDE_VNNI(5) : WIDE_VNNI(6))(x, w, y, t0, t1);
     else if (w->sub == 16)
         (w->bits == 4 ? columns_vnni_4_1_0_16 : columns_vnni_8_1_0_16)(x, w, y, t0, t1);
     else if (w->sub)
