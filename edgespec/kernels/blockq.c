@@ -156,11 +156,15 @@ static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *
  * tiles for other rows take the rest), so that the weights of the next tiles stream in
  * while this tile's are multiplied, evenly over the passes. Measured (2 threads, weights
  * beyond the L3 cache): 5-row products 1.4-1.6x faster, 17-row 1.25x; results unchanged.
- * Non-temporal (prefetchnta): a step streams ~100 MB of weights that are not read again
- * before the next step, and would otherwise push out of the caches what is (the KV cache,
- * a draft head's 8 MB of weights between target passes). SmolLM2's default export, 2
- * threads: AR 1.05-1.10x and the default mode 1.02-1.11x the tokens/s (two runs, 36 and
- * 60 prompt pairs, interleaved), passes of 1-17 rows 0.96-1.03x the time.
+ * Non-temporal (prefetchnta) on AMD: a step streams ~100 MB of weights that are not read
+ * again before the next step, and would otherwise push out of the caches what is (the KV
+ * cache, a draft head's 8 MB of weights between target passes). SmolLM2's default export
+ * on an AMD EPYC, 2 threads: AR 1.05-1.10x and the default mode 1.02-1.11x the tokens/s
+ * (two runs, 36 and 60 prompt pairs, interleaved), passes of 1-17 rows 0.96-1.03x the
+ * time. Ordinary (prefetcht0) elsewhere: on an Intel Xeon (Sapphire Rapids class, 2 cores),
+ * weights streamed from memory through prefetchnta at 3.5-5 GB/s and through prefetcht0
+ * (or t1, t2) at 6-9 (six 285 MB weights in turn, 2 threads), and one step of Gemma 3
+ * 270M took 0.5x the time, of a Llama-1B-shaped Q4_K_M model 0.6x.
  * The last tiles of a range prefetch the first of the next range (up to the weight's last
  * tile), which a thread takes next: each of a product's ranges (up to 4 a thread) had begun
  * on weights that were not on their way. SmolLM2's default export, 2 threads, the kernel
@@ -171,21 +175,30 @@ typedef struct {
     int part, parts;
 } Ahead;
 
+static int prefetch_nta; /* set with the path (best_path): on AMD CPUs */
+
+static inline void prefetch(const void *at) {
+    if (prefetch_nta)
+        __builtin_prefetch(at, 0, 0);
+    else
+        __builtin_prefetch(at, 0, 3);
+}
+
 static inline void prefetch_block(const BlockqWeight *w, const Ahead *a, int64_t nb, int64_t b) {
     const int64_t block_bytes = GROUPS * 4 * LANES * w->bits / 8, entry = w->half ? 2 : 4;
     for (int64_t i = 0; i < a->tiles; ++i) {
         const int64_t at = (a->tile + i) * nb + b;
         const char *codes = (const char *)(w->codes + at * block_bytes);
         for (int64_t line = a->part * 64; line < block_bytes; line += 64 * a->parts)
-            __builtin_prefetch(codes + line, 0, 0);
+            prefetch(codes + line);
         if (a->part == 0) {
             const int64_t table = table_index(nb, a->tile + i, b, w->sub) * entry;
-            __builtin_prefetch((const char *)w->scales + table, 0, 0);
-            __builtin_prefetch((const char *)w->offsets + table, 0, 0);
+            prefetch((const char *)w->scales + table);
+            prefetch((const char *)w->offsets + table);
             if (w->sub) {
                 const int64_t sub_at = sub_index(nb, a->tile + i, b, 0, w->sub);
-                __builtin_prefetch(w->sub_scales + sub_at, 0, 0);
-                __builtin_prefetch(w->sub_offsets + sub_at, 0, 0);
+                prefetch(w->sub_scales + sub_at);
+                prefetch(w->sub_offsets + sub_at);
             }
         }
     }
@@ -591,6 +604,7 @@ SILU_MUL_SIMD(256, AVX2)
 
 static int best_path(void) {
     __builtin_cpu_init();
+    prefetch_nta = __builtin_cpu_is("amd");
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         return 2;
