@@ -80,10 +80,11 @@ def test_4bit_blocks_of_32_are_exact_as_exported(tmp_path, demo_target, kwargs, 
 def test_own_kernel_exports_are_exact(tmp_path, demo_target):
     """int4 on edgespec's own kernel (the cpu profile's default where it is built): every
     linear on it in K-quant tables (the recipe's Q4_K ones in sub-blocks of 32, its
-    Q6_K-class ones in sub-blocks of 16), none left on MatMulNBits, chains bitwise."""
+    Q6_K-class ones in sub-blocks of 16, read at 6 bits a code), none left on MatMulNBits,
+    chains bitwise."""
     export(demo_target, tmp_path / "b", precision="int4")
     own = nodes(tmp_path / "b", "BlockQMatMulK")
-    assert {(4, 32), (8, 16)} == {(attr(n, "bits"), attr(n, "sub")) for n in own}
+    assert {(4, 32), (6, 16)} == {(attr(n, "bits"), attr(n, "sub")) for n in own}
     assert not nodes(tmp_path / "b", "MatMulNBits")
     assert_exact(tmp_path / "b")
 
