@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # graph.py imports this module
     from edgespec.export.graph import GraphBuilder
 
 LANES, BLOCK, SUPER = 16, 32, 256
+PLANES_AT = 256  # where a 5- or 6-bit tile-block's bit planes begin (blockq.h)
 
 
 def k_tables(q: QuantizedWeight) -> tuple[np.ndarray, ...] | None:
@@ -111,11 +112,12 @@ def untiled_codes(tiles: np.ndarray, k: int, bits: int) -> np.ndarray:
     if bits == 8:
         groups = blocks.reshape(n // LANES, nb, 8, LANES, 4)
     else:  # undo the nibble pairing (groups 2h, 2h + 1), then add the planes' bits
-        pairs = blocks[..., :256].reshape(n // LANES, nb, 4, 1, LANES, 4)
+        pairs = blocks[..., :PLANES_AT].reshape(n // LANES, nb, 4, 1, LANES, 4)
         groups = np.concatenate([pairs & 0x0F, pairs >> 4], axis=3).reshape(
             n // LANES, nb, 8, LANES, 4)
         for p in range(bits - 4):
-            plane = blocks[..., 256 + 64 * p:256 + 64 * (p + 1)].reshape(n // LANES, nb, 8, 8)
+            at = PLANES_AT + 64 * p
+            plane = blocks[..., at:at + 64].reshape(n // LANES, nb, 8, 8)
             bit = np.unpackbits(plane, axis=-1, bitorder="little")
             groups = groups | (bit.reshape(groups.shape) << (4 + p))
     return groups.transpose(0, 3, 1, 2, 4).reshape(n, k)
@@ -296,7 +298,8 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
                                                       const("four", 4)], "odd4")], "odd8",
                                   to=TensorProto.UINT8), last], "oddu")
     for p in range(planes):  # plane p's byte in every group, its bit j for input j
-        plane_at = (np.arange(nb)[:, None] * block_bytes + 256 + (p * 8 + np.arange(8)) * 8)
+        plane_at = (np.arange(nb)[:, None] * block_bytes + PLANES_AT
+                    + (p * 8 + np.arange(8)) * 8)
         byte = bytes_at(pair, plane_at.reshape(-1).astype(i64), f"plane{p}")  # [1, S, nb * 8]
         nibble = op("BitShift", [byte, odd], f"plane{p}.n", direction="RIGHT")
         bit = op("BitwiseAnd", [op("BitShift", [op("Unsqueeze", [nibble, last], f"plane{p}.u"),

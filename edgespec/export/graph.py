@@ -369,7 +369,7 @@ class GraphBuilder:
         def make() -> str:
             low, high = (self.const(f"{store}.qweight.{part}", a)
                          for part, a in zip(("low", "high"), q.stored["codes"], strict=True))
-            high_bits = 8 * q.stored["codes"][1].shape[-1] // q.block_size
+            high_bits = blockq_ops.code_bits(q) - 4
             shape = self.const(f"{store}.qweight.shape", np.array(q.packed.shape, np.int64))
             low = self.unpacked(low, 4, shape, f"{store}.qweight.low")
             high = self.unpacked(high, high_bits, shape, f"{store}.qweight.high")

@@ -14,6 +14,9 @@
 #define LANES 16 /* columns in a tile */
 #define PLANES_AT 256 /* where a 5- or 6-bit block's bit planes begin, after its low nibbles */
 
+/* Bit planes a block's codes have after their low nibbles: bits - 4 for 5 and 6 bits. */
+static inline int planes_of(int64_t bits) { return bits == 8 ? 0 : (int)bits - 4; }
+
 /* Per row and block: d = peak / 127, and the factor taking x to codes (0 for a zero block). */
 static float to_codes(float peak, float *d) {
     *d = peak / 127.0f;
@@ -78,7 +81,7 @@ static inline int code_at(const uint8_t *block, int64_t bits, const uint8_t *boo
     int code = g % 2 ? (byte >> 4) : (byte & 0x0F);
     if (book) return book[code];
     const int i = c * 4 + j; /* 5 and 6 bits: the higher bits from their planes */
-    for (int p = 0; p < bits - 4; ++p)
+    for (int p = 0; p < planes_of(bits); ++p)
         code |= ((block[PLANES_AT + (p * GROUPS + g) * 8 + i / 8] >> (i % 8)) & 1) << (4 + p);
     return code;
 }
@@ -233,7 +236,7 @@ VNNI INLINE void tile_rows_vnni(const BlockqRows *x, const BlockqWeight *wt, flo
     const int64_t N = wt->N, nb = x->K / 32;
     const int64_t block_bytes = GROUPS * 4 * LANES * bits / 8;
     const int parts = parts_of(SUB), part_pairs = GROUPS / 2 / parts;
-    const int planes = bits == 8 ? 0 : (int)bits - 4;
+    const int planes = planes_of(bits);
     const uint8_t *codes = wt->codes;
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i values = book ? _mm512_broadcast_i32x4(
@@ -353,7 +356,7 @@ AVX2 INLINE void tile_rows_avx2(const BlockqRows *x, const BlockqWeight *wt, flo
     /* a book's codes take all 8 bits: they are multiplied as 8-bit codes are; 5- and 6-bit
      * ones as 4-bit ones (dot4_avx2) */
     const int64_t code_bits = wt->book || bits == 8 ? 8 : 4;
-    const int planes = bits == 8 ? 0 : (int)bits - 4;
+    const int planes = planes_of(bits);
     const __m256i values = wt->book ? _mm256_broadcastsi128_si256(
         _mm_loadu_si128((const __m128i *)wt->book)) : _mm256_setzero_si256();
     __m256 acc[2][2];
