@@ -4,6 +4,9 @@ tokens/s and the text, measured the same way for everyone: tokens after the firs
 time after the first (prefill excluded), greedy.
 
 A peer that is not installed raises Missing with what to do about it; race.py skips it.
+Run alone, it writes the float checkpoint of a GGUF file (gguf_to_checkpoint):
+
+    python tools/compare/peers.py MODEL.gguf OUT_DIR
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ def build_genai_model(python: Path, gguf: Path, work: Path, threads: int) -> Pat
     built once per file into `work`."""
     hf, out = work / "hf", work / "genai-int4"
     if not (hf / "config.json").is_file():
-        _gguf_to_checkpoint(gguf, hf)
+        gguf_to_checkpoint(gguf, hf)
     if not (out / "genai_config.json").is_file():
         subprocess.run([str(python), str(BUILDER), "-i", str(hf), "-o", str(out), "-p", "int4",
                         "-e", "cpu", "-c", str(work / "cache")], check=True, capture_output=True)
@@ -210,7 +213,10 @@ def genai_with_draft(target: Path, draft: Path, out: Path, draft_tokens: int = 4
     return out
 
 
-def _gguf_to_checkpoint(gguf: Path, out: Path) -> None:
+def gguf_to_checkpoint(gguf: Path, out: Path) -> None:
+    """The float checkpoint transformers reads from a GGUF file (its own dequantization):
+    what genai's builder quantizes, and what `edgespec export` takes as a Hugging Face model
+    (SmolLM2 at the default int8 of a checkpoint, with no hub here)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -229,3 +235,23 @@ def _gguf_to_checkpoint(gguf: Path, out: Path) -> None:
 
 def note(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write the float checkpoint transformers reads "
+                                             "from a GGUF file.")
+    ap.add_argument("gguf", type=Path)
+    ap.add_argument("out", type=Path)
+    a = ap.parse_args()
+    if not a.gguf.is_file():
+        raise SystemExit(f"{a.gguf} is not a file; give the path of a .gguf model file.")
+    if a.out.exists():
+        raise SystemExit(f"{a.out} exists already; give a new directory to write to.")
+    gguf_to_checkpoint(a.gguf, a.out)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
