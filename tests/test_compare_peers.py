@@ -50,3 +50,35 @@ def test_race_refuses_a_model_that_is_not_a_file(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip() == f"error: {tmp_path / 'none.gguf'} is not a file; pass a " \
                                  ".gguf model."
+
+
+def test_checkpoint_of_a_gguf_file_holds_its_weights(tmp_path):
+    """peers.py run alone writes the float checkpoint of a GGUF file: its embedding is
+    gguf-py's dequantization of the file's token_embd; bad paths are refused in one line,
+    nothing written."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from tests.real_models import smollm2_gguf
+
+    script = [sys.executable, str(COMPARE / "peers.py")]
+    missing = subprocess.run([*script, str(tmp_path / "none.gguf"), str(tmp_path / "a")],
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip() == f"{tmp_path / 'none.gguf'} is not a file; give the " \
+                                     "path of a .gguf model file."
+    assert not (tmp_path / "a").exists()
+    out = tmp_path / "hf"
+    done = subprocess.run([*script, str(smollm2_gguf()), str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    reader = gguf.GGUFReader(smollm2_gguf())
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    expected = gguf.dequantize(embd.data, embd.tensor_type).reshape(-1, 576)
+    written = load_file(str(out / "model.safetensors"))["model.embed_tokens.weight"]
+    np.testing.assert_array_equal(written, expected.astype(np.float32))
+    again = subprocess.run([*script, str(smollm2_gguf()), str(out)], capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 1 and again.stderr.strip() == \
+        f"{out} exists already; give a new directory to write to."
