@@ -380,9 +380,11 @@ class Engine:
 
     def resolve(self, config: GenerationConfig) -> GenerationConfig:
         """`config` with what it leaves open filled in: the mode (default_mode) and γ. A
-        draft head's fixed chains default to γ = 1, since its drafts past the first are
-        rarely accepted (measured on SmolLM2 and Gemma 3: γ = 1 1.01–1.07× AR, γ = 4
-        0.65–0.82×, see README "Draft heads"); other drafters and adaptive chains to 4.
+        draft head's fixed chains default to γ = 1: each draft past the first costs a head
+        step and a row of the verify pass for a token accepted less often (SmolLM2's
+        shipped head, greedy chat and code, with copies: γ = 1 1.29× AR, γ = 2 1.27×,
+        γ = 3 1.17×; γ = 2 1.03× γ = 1 over chat, code and multi-turn in a later run; see
+        README "Draft heads"); other drafters and adaptive chains to 4.
         A head's chains copy up to 4 tokens where the text repeats (HybridDrafter); adaptive
         ones choose per pass between a copy, head tokens and a plain step
         (HybridController)."""
