@@ -167,43 +167,79 @@ static void ORT_API_CALL destroy_kernel(void *kernel) { free(kernel); }
 
 /* ---- compute ---- */
 
-/* The dimensions of v, malloc'd into *dims (the caller frees it; NULL when rank is 0). */
-static OrtStatus *get_shape(const OrtApi *api, const OrtValue *v, int64_t **dims,
+/* The dimensions of v into dims (at most MAX_RANK). */
+#define MAX_RANK 8
+static OrtStatus *get_shape(const OrtApi *api, const OrtValue *v, int64_t dims[MAX_RANK],
                             size_t *rank) {
   OrtTensorTypeAndShapeInfo *info = NULL;
-  *dims = NULL;
   *rank = 0;
   OrtStatus *st = api->GetTensorTypeAndShape(v, &info);
   if (st != NULL) return st;
   st = api->GetDimensionsCount(info, rank);
-  if (st == NULL && *rank > 0) {
-    *dims = (int64_t *)malloc(*rank * sizeof(int64_t));
-    if (*dims == NULL)
-      st = op_error(api, ORT_FAIL, "out of memory");
-    else
-      st = api->GetDimensions(info, *dims, *rank);
-  }
+  if (st == NULL && *rank > MAX_RANK)
+    st = op_error(api, ORT_INVALID_ARGUMENT, "takes tensors of at most %d dimensions, got %zu",
+                  MAX_RANK, *rank);
+  else if (st == NULL && *rank > 0)
+    st = api->GetDimensions(info, dims, *rank);
   api->ReleaseTensorTypeAndShapeInfo(info);
-  if (st != NULL) {
-    free(*dims);
-    *dims = NULL;
-  }
   return st;
 }
+
+/* Per call scratch: the calling thread's own buffer, grown as a call needs more and kept
+ * for the next (calls on one thread never overlap, and the pool's tasks only read and write
+ * what their call hands them), so that a pass's ~1,700 small buffers cost no malloc and
+ * free each. A call needing more than SCRATCH_KEPT bytes (a long prompt's) takes its own. */
+#ifdef _MSC_VER
+#define THREAD_LOCAL __declspec(thread)
+#else
+#define THREAD_LOCAL _Thread_local
+#endif
+#define SCRATCH_KEPT ((size_t)1 << 22)
+#define SCRATCH_ALIGN 64
+static THREAD_LOCAL char *kept_scratch; /* SCRATCH_KEPT bytes once a call took it */
+
+typedef struct {
+  char *base, *own; /* own: this call's buffer, freed by scratch_close */
+  size_t used;
+} Scratch;
+
+/* Room for `bytes` in all (each part rounded up to SCRATCH_ALIGN); 0 when out of memory. */
+static int scratch_open(Scratch *s, size_t bytes) {
+  s->used = 0;
+  s->own = NULL;
+  if (bytes > SCRATCH_KEPT) {
+    s->base = s->own = (char *)malloc(bytes);
+    return s->base != NULL;
+  }
+  if (kept_scratch == NULL) kept_scratch = (char *)malloc(SCRATCH_KEPT);
+  s->base = kept_scratch;
+  return s->base != NULL;
+}
+
+static size_t scratch_size(size_t bytes) {
+  return (bytes + SCRATCH_ALIGN - 1) / SCRATCH_ALIGN * SCRATCH_ALIGN;
+}
+
+static void *scratch_part(Scratch *s, size_t bytes) {
+  void *part = s->base + s->used;
+  s->used += scratch_size(bytes);
+  return part;
+}
+
+static void scratch_close(Scratch *s) { free(s->own); }
 
 /* Checks that v is 1-D with `expected` elements. */
 static OrtStatus *check_vector(const OrtApi *api, const OrtValue *v, const char *what,
                                int64_t expected, const char *rule) {
-  int64_t *dims;
+  int64_t dims[MAX_RANK];
   size_t rank;
-  OrtStatus *st = get_shape(api, v, &dims, &rank);
+  OrtStatus *st = get_shape(api, v, dims, &rank);
   if (st != NULL) return st;
   if (rank != 1)
     st = op_error(api, ORT_INVALID_ARGUMENT, "%s must be 1-D, got rank %zu", what, rank);
   else if (dims[0] != expected)
     st = op_error(api, ORT_INVALID_ARGUMENT, "%s has %lld elements, expected %s = %lld", what,
                   (long long)dims[0], rule, (long long)expected);
-  free(dims);
   return st;
 }
 
@@ -279,27 +315,20 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
                  (st = check_vector(api, in[5], "sub_offsets", N * per_sub, "N*K/sub")) != NULL))
     return st;
 
-  int64_t *dims;
+  int64_t dims[MAX_RANK];
   size_t rank;
-  if ((st = get_shape(api, in[0], &dims, &rank)) != NULL) return st;
-  if (rank < 1) {
-    free(dims);
+  if ((st = get_shape(api, in[0], dims, &rank)) != NULL) return st;
+  if (rank < 1)
     return op_error(api, ORT_INVALID_ARGUMENT, "X must have at least 1 dimension (..., K)");
-  }
-  if (dims[rank - 1] != width) {
-    st = op_error(api, ORT_INVALID_ARGUMENT, "X's last dimension is %lld, expected %lld (K = %lld%s)",
-                  (long long)dims[rank - 1], (long long)width, (long long)K,
-                  k->gated ? ", gated: 2K" : "");
-    free(dims);
-    return st;
-  }
+  if (dims[rank - 1] != width)
+    return op_error(api, ORT_INVALID_ARGUMENT, "X's last dimension is %lld, expected %lld (K = %lld%s)",
+                    (long long)dims[rank - 1], (long long)width, (long long)K,
+                    k->gated ? ", gated: 2K" : "");
   int64_t M = 1;
   for (size_t i = 0; i + 1 < rank; i++) M *= dims[i];
   dims[rank - 1] = N; /* Y's shape */
   OrtValue *out = NULL;
-  st = api->KernelContext_GetOutput(ctx, 0, dims, rank, &out);
-  free(dims);
-  if (st != NULL) return st;
+  if ((st = api->KernelContext_GetOutput(ctx, 0, dims, rank, &out)) != NULL) return st;
   if (M == 0) return NULL;
 
   void *px, *pcodes, *pscales, *poffsets, *py, *psub_scales = NULL, *psub_offsets = NULL;
@@ -313,22 +342,21 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
                  (st = api->GetTensorMutableData((OrtValue *)in[5], &psub_offsets)) != NULL))
     return st;
 
-  /* Per call scratch: kernels share nothing, so concurrent runs are safe. */
-  BlockqRows rows = {(int8_t *)malloc((size_t)(M * K)),
-                     (float *)malloc((size_t)(M * nb) * sizeof(float)),
-                     (float *)malloc((size_t)(M * nb) * sizeof(float)),
-                     (int32_t *)malloc((size_t)(M * nb) * sizeof(int32_t)), M, K, NULL, NULL};
-  if (k->sub == 16) { /* each half block's sums too */
-    rows.sum16 = (float *)malloc((size_t)(2 * M * nb) * sizeof(float));
-    rows.isum16 = (int32_t *)malloc((size_t)(2 * M * nb) * sizeof(int32_t));
-  }
-  float *act = k->gated ? (float *)malloc((size_t)(M * K) * sizeof(float)) : NULL;
-  if (rows.q == NULL || rows.d == NULL || rows.sum == NULL || rows.isum == NULL ||
-      (k->gated && act == NULL) || (k->sub == 16 && (rows.sum16 == NULL || rows.isum16 == NULL))) {
-    st = op_error(api, ORT_FAIL, "out of memory for %lld x %lld activations", (long long)M,
-                  (long long)K);
-    goto done;
-  }
+  /* sub 16 keeps each half block's sums too; a gated product its activation */
+  const size_t blocks = (size_t)(M * nb), halves = k->sub == 16 ? 2 * blocks : 0;
+  const size_t acts = k->gated ? (size_t)(M * K) * sizeof(float) : 0;
+  Scratch scratch;
+  if (!scratch_open(&scratch, scratch_size((size_t)(M * K)) + 3 * scratch_size(blocks * 4) +
+                                  2 * scratch_size(halves * 4) + scratch_size(acts)))
+    return op_error(api, ORT_FAIL, "out of memory for %lld x %lld activations", (long long)M,
+                    (long long)K);
+  BlockqRows rows = {(int8_t *)scratch_part(&scratch, (size_t)(M * K)),
+                     (float *)scratch_part(&scratch, blocks * sizeof(float)),
+                     (float *)scratch_part(&scratch, blocks * sizeof(float)),
+                     (int32_t *)scratch_part(&scratch, blocks * sizeof(int32_t)), M, K,
+                     halves ? (float *)scratch_part(&scratch, halves * sizeof(float)) : NULL,
+                     halves ? (int32_t *)scratch_part(&scratch, halves * sizeof(int32_t)) : NULL};
+  float *act = acts ? (float *)scratch_part(&scratch, acts) : NULL;
   PrepareJob prepare = {(const float *)px, act, &rows, M * width / PREPARE_MIN_VALUES};
   if (prepare.tasks > k->cpus) prepare.tasks = k->cpus;
   if (prepare.tasks > M) prepare.tasks = M;
@@ -356,13 +384,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
     st = api->KernelContext_ParallelFor(ctx, columns_task, (size_t)tasks, (size_t)tasks, &job);
 
 done:
-  free(act);
-  free(rows.q);
-  free(rows.d);
-  free(rows.sum);
-  free(rows.isum);
-  free(rows.sum16);
-  free(rows.isum16);
+  scratch_close(&scratch);
   return st;
 }
 
@@ -483,18 +505,14 @@ static OrtStatus *ORT_API_CALL attend_create(const OrtCustomOp *op, const OrtApi
   return NULL;
 }
 
-/* The shape of v, checked to have `rank` dimensions; *dims freed by the caller. */
+/* The shape of v, checked to have `rank` dimensions. */
 static OrtStatus *shape_of(const OrtApi *api, const OrtValue *v, const char *what, size_t rank,
-                           int64_t **dims) {
+                           int64_t dims[MAX_RANK]) {
   size_t got;
   OrtStatus *st = get_shape(api, v, dims, &got);
   if (st == NULL && got != rank)
     st = attend_error(api, ORT_INVALID_ARGUMENT, "%s must have %zu dimensions, got %zu", what,
                       rank, got);
-  if (st != NULL) {
-    free(*dims);
-    *dims = NULL;
-  }
   return st;
 }
 
@@ -572,22 +590,21 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   if (packed != (in[A_V] == NULL))
     return attend_error(api, ORT_INVALID_ARGUMENT, "key and value come both or neither");
 
-  int64_t *q = NULL, *kd = NULL, *vd = NULL, *cache = NULL, *vcache = NULL, *cs = NULL,
-          *sn = NULL, *pos = NULL, *bias = NULL, *ks = NULL, *vs = NULL;
-  float *qrot = NULL, *w = NULL, *e = NULL;
-  int32_t *keys = NULL, *pick = NULL;
+  int64_t q[MAX_RANK], kd[MAX_RANK], vd[MAX_RANK], cache[MAX_RANK], vcache[MAX_RANK],
+      cs[MAX_RANK], sn[MAX_RANK], pos[MAX_RANK], bias[MAX_RANK], ks[MAX_RANK], vs[MAX_RANK];
+  Scratch buffer = {NULL, NULL, 0};
   AttendShape a = {0};
-  if ((st = shape_of(api, in[A_Q], "query", 3, &q)) != NULL ||
-      (st = shape_of(api, in[A_PAST_K], "past_key", 4, &cache)) != NULL ||
-      (st = shape_of(api, in[A_PAST_V], "past_value", 4, &vcache)) != NULL ||
-      (st = shape_of(api, in[A_COS], "cos_cache", 2, &cs)) != NULL ||
-      (st = shape_of(api, in[A_SIN], "sin_cache", 2, &sn)) != NULL ||
-      (st = shape_of(api, in[A_POS], "position_ids", 2, &pos)) != NULL ||
-      (st = shape_of(api, in[A_BIAS], "attention_bias", 4, &bias)) != NULL ||
-      (!packed && (st = shape_of(api, in[A_K], "key", 3, &kd)) != NULL) ||
-      (!packed && (st = shape_of(api, in[A_V], "value", 3, &vd)) != NULL) ||
-      (k->int8 && (st = shape_of(api, in[A_K_SCALE], "k_scale", 3, &ks)) != NULL) ||
-      (k->int8 && (st = shape_of(api, in[A_V_SCALE], "v_scale", 3, &vs)) != NULL))
+  if ((st = shape_of(api, in[A_Q], "query", 3, q)) != NULL ||
+      (st = shape_of(api, in[A_PAST_K], "past_key", 4, cache)) != NULL ||
+      (st = shape_of(api, in[A_PAST_V], "past_value", 4, vcache)) != NULL ||
+      (st = shape_of(api, in[A_COS], "cos_cache", 2, cs)) != NULL ||
+      (st = shape_of(api, in[A_SIN], "sin_cache", 2, sn)) != NULL ||
+      (st = shape_of(api, in[A_POS], "position_ids", 2, pos)) != NULL ||
+      (st = shape_of(api, in[A_BIAS], "attention_bias", 4, bias)) != NULL ||
+      (!packed && (st = shape_of(api, in[A_K], "key", 3, kd)) != NULL) ||
+      (!packed && (st = shape_of(api, in[A_V], "value", 3, vd)) != NULL) ||
+      (k->int8 && (st = shape_of(api, in[A_K_SCALE], "k_scale", 3, ks)) != NULL) ||
+      (k->int8 && (st = shape_of(api, in[A_V_SCALE], "v_scale", 3, vs)) != NULL))
     goto done;
   const int64_t S = q[1], D = cache[3], T = bias[3];
   a = (AttendShape){S, H, Hk, D, cs[1], T - S, cache[2], k->scale, k->softcap, NULL, NULL,
@@ -659,15 +676,22 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   rows = rows > S ? S : rows;
   const int64_t scratch = T + 8, most = TASKS_PER_CPU * k->cpus < rows * H
                                             ? TASKS_PER_CPU * k->cpus : rows * H;
-  qrot = (float *)malloc((size_t)(S * H * D) * sizeof(float));
-  keys = (int32_t *)malloc((size_t)scratch * sizeof(int32_t));
-  w = (float *)malloc((size_t)(rows * H * (scratch + 1)) * sizeof(float));
-  e = (float *)malloc((size_t)(most * scratch + D) * sizeof(float)); /* and prepare's D */
-  pick = (int32_t *)malloc((size_t)(most * scratch) * sizeof(int32_t));
-  if (qrot == NULL || keys == NULL || w == NULL || e == NULL || pick == NULL) {
+  const size_t qrot_bytes = (size_t)(S * H * D) * sizeof(float),
+               keys_bytes = (size_t)scratch * sizeof(int32_t),
+               w_bytes = (size_t)(rows * H * (scratch + 1)) * sizeof(float),
+               e_bytes = (size_t)(most * scratch + D) * sizeof(float), /* and prepare's D */
+               pick_bytes = (size_t)(most * scratch) * sizeof(int32_t);
+  if (!scratch_open(&buffer, scratch_size(qrot_bytes) + scratch_size(keys_bytes) +
+                                  scratch_size(w_bytes) + scratch_size(e_bytes) +
+                                  scratch_size(pick_bytes))) {
     st = attend_error(api, ORT_FAIL, "out of memory");
     goto done;
   }
+  float *qrot = (float *)scratch_part(&buffer, qrot_bytes);
+  int32_t *keys = (int32_t *)scratch_part(&buffer, keys_bytes);
+  float *w = (float *)scratch_part(&buffer, w_bytes);
+  float *e = (float *)scratch_part(&buffer, e_bytes);
+  int32_t *pick = (int32_t *)scratch_part(&buffer, pick_bytes);
   const float *fq = (const float *)pq;
   attend_prepare(&a, fq, q[2], packed ? fq + H * D : (const float *)pk, packed ? q[2] : Hk * D,
                  packed ? fq + (H + Hk) * D : (const float *)pv, packed ? q[2] : Hk * D,
@@ -687,22 +711,7 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   }
 
 done:
-  free(q);
-  free(kd);
-  free(vd);
-  free(cache);
-  free(vcache);
-  free(cs);
-  free(sn);
-  free(pos);
-  free(bias);
-  free(ks);
-  free(vs);
-  free(qrot);
-  free(keys);
-  free(w);
-  free(e);
-  free(pick);
+  scratch_close(&buffer);
   return st;
 }
 
