@@ -570,6 +570,32 @@ static OrtStatus *attend_step(const OrtApi *api, OrtKernelContext *ctx, AttendJo
   return api->KernelContext_ParallelFor(ctx, attend_task, (size_t)tasks, (size_t)tasks, j);
 }
 
+/* A pass of more than one token that fits one block (a verify pass) runs as units of a run
+ * of its rows and a KV head, each taking its scores, weights and values in turn on one
+ * thread: one hand-out to the pool instead of three, whose waits had cost a 17-token pass
+ * of SmolLM2 the second thread's gain (its attention 65 us a layer on 2 threads, 70 on 1).
+ * A query's arithmetic is the same in any block (attend.h), so are its bits. */
+typedef struct {
+  const AttendBlock *blocks;
+  int64_t Hk, group; /* KV heads; query heads a KV head */
+  float *e;          /* attend_weights' scratch, scratch floats a unit */
+  int32_t *pick;
+  int64_t scratch;
+} UnitJob;
+
+static void unit_task(void *user_data, size_t i) {
+  const UnitJob *j = (const UnitJob *)user_data;
+  const AttendBlock *b = &j->blocks[(int64_t)i / j->Hk];
+  const int64_t g = (int64_t)i % j->Hk, H = b->a->H;
+  attend_scores(b, g, 0, b->U);
+  for (int64_t s = b->r0; s < b->r1; ++s) {
+    const int64_t t0 = (s - b->r0) * H + g * j->group;
+    attend_weights(b, t0, t0 + j->group, j->e + (int64_t)i * j->scratch,
+                   j->pick + (int64_t)i * j->scratch);
+  }
+  attend_values(b, g, 0, b->a->D);
+}
+
 enum { A_Q, A_K, A_V, A_PAST_K, A_PAST_V, A_COS, A_SIN, A_POS, A_BIAS, A_INPUTS,
        A_K_SCALE = A_INPUTS, A_V_SCALE, A_INPUTS_INT8 };
 
@@ -674,10 +700,18 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   int64_t rows = ATTEND_SCORE_FLOATS / (H * (T + 8));
   rows = rows > ATTEND_ROWS ? ATTEND_ROWS : (rows < 1 ? 1 : rows);
   rows = rows > S ? S : rows;
-  const int64_t scratch = T + 8, most = TASKS_PER_CPU * k->cpus < rows * H
-                                            ? TASKS_PER_CPU * k->cpus : rows * H;
+  const int64_t scratch = T + 8;
+  int64_t most = TASKS_PER_CPU * k->cpus < rows * H ? TASKS_PER_CPU * k->cpus : rows * H;
+  const int64_t units_worth = S * H * T * (2 * D + SOFTMAX_MACS) / ATTEND_MIN_TASK_MACS;
+  int64_t blocks = 0; /* a verify pass's blocks of units (0: the three steps in turn) */
+  if (S > 1 && rows == S && units_worth >= Hk) {
+    blocks = (TASKS_PER_CPU * k->cpus + Hk - 1) / Hk;
+    if (blocks > units_worth / Hk) blocks = units_worth / Hk;
+    if (blocks > S) blocks = S;
+    if (most < blocks * Hk) most = blocks * Hk;
+  }
   const size_t qrot_bytes = (size_t)(S * H * D) * sizeof(float),
-               keys_bytes = (size_t)scratch * sizeof(int32_t),
+               keys_bytes = (size_t)((blocks ? blocks : 1) * scratch) * sizeof(int32_t),
                w_bytes = (size_t)(rows * H * (scratch + 1)) * sizeof(float),
                e_bytes = (size_t)(most * scratch + D) * sizeof(float), /* and prepare's D */
                pick_bytes = (size_t)(most * scratch) * sizeof(int32_t);
@@ -696,6 +730,21 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
   attend_prepare(&a, fq, q[2], packed ? fq + H * D : (const float *)pk, packed ? q[2] : Hk * D,
                  packed ? fq + (H + Hk) * D : (const float *)pv, packed ? q[2] : Hk * D,
                  positions, (const float *)pcos, (const float *)psin, qrot, ppresk, ppresv, e);
+  if (blocks) {
+    AttendBlock units[ATTEND_ROWS];
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t r0 = S * i / blocks, r1 = S * (i + 1) / blocks, n = (r1 - r0) * H;
+      int32_t *seen = keys + i * scratch;
+      float *scores = w + r0 * H * (scratch + 1);
+      units[i] = (AttendBlock){&a, qrot, (const float *)pbias, ppresk, ppresv, (float *)pout,
+                               r0, r1, seen, attend_keys(&a, (const float *)pbias, r0, r1, seen),
+                               scores, scores + n * scratch};
+    }
+    UnitJob job = {units, Hk, H / Hk, e, pick, scratch};
+    st = api->KernelContext_ParallelFor(ctx, unit_task, (size_t)(blocks * Hk),
+                                        (size_t)(blocks * Hk), &job);
+    goto done;
+  }
   for (int64_t r0 = 0; r0 < S && st == NULL; r0 += rows) {
     const int64_t r1 = r0 + rows < S ? r0 + rows : S, n = (r1 - r0) * H;
     const int64_t U = attend_keys(&a, (const float *)pbias, r0, r1, keys);
