@@ -522,13 +522,24 @@ static OrtStatus *shape_of(const OrtApi *api, const OrtValue *v, const char *wha
 #define ATTEND_SCORE_FLOATS ((int64_t)1 << 22)
 #define ATTEND_VALUE_DIMS 64 /* a task's share of value rows: 256 bytes of floats, read in order */
 
+/* attend_weights' scratch: scratch floats (e) and ints (pick) for each task. */
+typedef struct {
+  float *e;
+  int32_t *pick;
+  int64_t scratch;
+} WeightsScratch;
+
+static void weights_task(const AttendBlock *b, int64_t t0, int64_t t1, const WeightsScratch *w,
+                         size_t task) {
+  attend_weights(b, t0, t1, w->e + (int64_t)task * w->scratch,
+                 w->pick + (int64_t)task * w->scratch);
+}
+
 typedef struct {
   AttendBlock block;
   int step;                    /* 0: scores, 1: weights, 2: values */
   int64_t units, tasks, per;   /* per: units per KV head (scores, values) */
-  float *e;                    /* weights' scratch, scratch floats a task */
-  int32_t *pick;
-  int64_t scratch;
+  WeightsScratch weights;
 } AttendJob;
 
 static void attend_task(void *user_data, size_t i) {
@@ -536,7 +547,7 @@ static void attend_task(void *user_data, size_t i) {
   const AttendBlock *b = &j->block;
   int64_t begin = j->units * (int64_t)i / j->tasks, end = j->units * ((int64_t)i + 1) / j->tasks;
   if (j->step == 1) {
-    attend_weights(b, begin, end, j->e + (int64_t)i * j->scratch, j->pick + (int64_t)i * j->scratch);
+    weights_task(b, begin, end, &j->weights, i);
     return;
   }
   while (begin < end) { /* a range may run over from one KV head into the next */
@@ -578,9 +589,7 @@ static OrtStatus *attend_step(const OrtApi *api, OrtKernelContext *ctx, AttendJo
 typedef struct {
   const AttendBlock *blocks;
   int64_t Hk, group; /* KV heads; query heads a KV head */
-  float *e;          /* attend_weights' scratch, scratch floats a unit */
-  int32_t *pick;
-  int64_t scratch;
+  WeightsScratch weights;
 } UnitJob;
 
 static void unit_task(void *user_data, size_t i) {
@@ -590,8 +599,7 @@ static void unit_task(void *user_data, size_t i) {
   attend_scores(b, g, 0, b->U);
   for (int64_t s = b->r0; s < b->r1; ++s) {
     const int64_t t0 = (s - b->r0) * H + g * j->group;
-    attend_weights(b, t0, t0 + j->group, j->e + (int64_t)i * j->scratch,
-                   j->pick + (int64_t)i * j->scratch);
+    weights_task(b, t0, t0 + j->group, &j->weights, i);
   }
   attend_values(b, g, 0, b->a->D);
 }
@@ -740,7 +748,7 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
                                r0, r1, seen, attend_keys(&a, (const float *)pbias, r0, r1, seen),
                                scores, scores + n * scratch};
     }
-    UnitJob job = {units, Hk, H / Hk, e, pick, scratch};
+    UnitJob job = {units, Hk, H / Hk, {e, pick, scratch}};
     st = api->KernelContext_ParallelFor(ctx, unit_task, (size_t)(blocks * Hk),
                                         (size_t)(blocks * Hk), &job);
     goto done;
@@ -750,7 +758,7 @@ static OrtStatus *ORT_API_CALL attend_compute(void *kernel, OrtKernelContext *ct
     const int64_t U = attend_keys(&a, (const float *)pbias, r0, r1, keys);
     AttendJob job = {{&a, qrot, (const float *)pbias, ppresk, ppresv, (float *)pout, r0, r1,
                       keys, U, w, w + n * scratch},
-                     0, 0, 0, 0, e, pick, scratch};
+                     0, 0, 0, 0, {e, pick, scratch}};
     const int64_t dims = (D + ATTEND_VALUE_DIMS - 1) / ATTEND_VALUE_DIMS;
     if ((st = attend_step(api, ctx, &job, k->cpus, 0, Hk * ((U + 7) / 8), (U + 7) / 8,
                           n * U * D)) != NULL ||
