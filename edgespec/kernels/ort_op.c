@@ -185,10 +185,11 @@ static OrtStatus *get_shape(const OrtApi *api, const OrtValue *v, int64_t dims[M
   return st;
 }
 
-/* Per call scratch: the calling thread's own buffer, grown as a call needs more and kept
- * for the next (calls on one thread never overlap, and the pool's tasks only read and write
- * what their call hands them), so that a pass's ~1,700 small buffers cost no malloc and
- * free each. A call needing more than SCRATCH_KEPT bytes (a long prompt's) takes its own. */
+/* Per call scratch: SCRATCH_KEPT bytes of the calling thread's own, taken at its first
+ * call and kept for the thread's life (calls on one thread never overlap, and the pool's
+ * tasks only read and write what their call hands them), so that a pass's ~1,700 small
+ * buffers cost no malloc and free each. A call needing more (a long prompt's) takes its
+ * own. */
 #ifdef _MSC_VER
 #define THREAD_LOCAL __declspec(thread)
 #else
