@@ -107,6 +107,23 @@ def test_every_row_is_bitwise_its_one_row_pass(bits):
     assert np.array_equal(alone, one_thread)  # nor does the split among threads matter
 
 
+def test_a_pass_beyond_the_kept_scratch_gives_the_rows_of_short_passes():
+    """3,000 rows of 1,536 need more than the 4 MB a thread keeps for an op's buffers, so
+    the op takes its own for that call: each row equals its row in passes of 17 (which use
+    the kept buffer, before and after it)."""
+    u, s, o, w = weights(32, 1536, 8, seed=4)
+    x = np.random.default_rng(5).standard_normal((1, 3000, 1536)).astype(np.float32)
+    run = session(u, s, o, 8)
+    before = run.run(None, {"x": x[:, :17]})[0]
+    whole = run.run(None, {"x": x})[0]
+    after = np.concatenate([run.run(None, {"x": x[:, i:i + 17]})[0]
+                            for i in range(0, 3000, 17)], 1)
+    assert np.array_equal(whole, after)
+    assert np.array_equal(before, after[:, :17])
+    exact = quantized(x[0, :100]) @ w.T
+    assert np.abs(whole[0, :100] - exact).max() < 2e-6 * np.abs(exact).max()
+
+
 @pytest.mark.parametrize("bits", [4, 5, 6, 8])
 def test_every_kernel_path_and_table_type_gives_the_same_bits(bits):
     """The portable C kernel (any CPU), the AVX2 one and the AVX-512 VNNI one give the same
