@@ -198,7 +198,8 @@ class Rows(ctypes.Structure):
     """blockq.h's BlockqRows."""
     _fields_ = [("q", ctypes.c_void_p), ("d", ctypes.c_void_p), ("sum", ctypes.c_void_p),
                 ("isum", ctypes.c_void_p), ("M", ctypes.c_int64), ("K", ctypes.c_int64),
-                ("sum16", ctypes.c_void_p), ("isum16", ctypes.c_void_p)]
+                ("sum16", ctypes.c_void_p), ("isum16", ctypes.c_void_p),
+                ("rowwise", ctypes.c_int)]
 
 
 def test_activation_codes_are_numpys_on_every_path():
@@ -220,7 +221,7 @@ def test_activation_codes_are_numpys_on_every_path():
         got_sum, isum = np.zeros_like(got_d), np.zeros((3, 3), np.int32)
         sum16, isum16 = np.zeros((3, 3, 2), np.float32), np.zeros((3, 3, 2), np.int32)
         rows = Rows(q.ctypes.data, got_d.ctypes.data, got_sum.ctypes.data,
-                    isum.ctypes.data, 3, 96, sum16.ctypes.data, isum16.ctypes.data)
+                    isum.ctypes.data, 3, 96, sum16.ctypes.data, isum16.ctypes.data, 0)
         lib.blockq_quantize_rows(ctypes.c_void_p(x.ctypes.data), ctypes.byref(rows))
         assert np.array_equal(q, codes.transpose(1, 0, 2)) and np.array_equal(got_d, d.T)
         assert np.array_equal(isum, codes.sum(-1, dtype=np.int32).T)
@@ -379,3 +380,76 @@ def test_k_quant_tables_are_refused_where_they_cannot_be():
     short = (tables[0], tables[1], tables[2][:, :8], tables[3][:, :8])
     with pytest.raises(Exception, match="sub_scales has 256 elements, expected N\\*K/sub"):
         k_session(u, short, 4, 16).run(None, {"x": np.zeros((1, 1, 256), np.float32)})
+
+
+def row_product(u: np.ndarray, s: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """numpy's RowQMatMul, bit for bit: each row coded by its own peak (d = peak / 127,
+    codes rint(x / d) in float32), the exact integer sums of (u - 128) times the codes, and
+    float32(I) * (s[n] * d[m])."""
+    d = np.abs(x).max(-1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    q = np.clip(np.rint(x * inv), -127, 127).astype(np.int64)
+    exact = q @ (u.astype(np.int64) - 128).T
+    return exact.astype(np.float32) * (s[None, :] * d)
+
+
+@pytest.mark.parametrize("k", [1536, 96])
+def test_row_product_is_numpys_bit_for_bit_on_every_path(k):
+    """The row-wise op against row_product exactly, on every kernel path this CPU has
+    (AMX tiles for passes of 8 rows or more where it has them, taking pairs of blocks
+    where K allows, K = 1536, else one: K = 96), for 1 to 40 rows, one or two threads, a
+    zero row and codes at both ends (1 and 255)."""
+    rng = np.random.default_rng(11)
+    u = rng.integers(1, 256, (80, k), dtype=np.uint8)
+    u[:, :32] = 1
+    u[:, 32:64] = 255
+    s = (rng.random(80) * 0.01 + 1e-4).astype(np.float32)
+    x = rng.standard_normal((1, 40, k)).astype(np.float32)
+    x[0, 3] = 0
+    x[0, 5, :64] = 100  # the peak in the codes' extreme columns: large exact sums
+    want = row_product(u, s, x[0])
+    for _, path in every_path():
+        for threads in (1, 2):
+            run = row_session(u, s, threads)
+            for rows in (1, 2, 5, 8, 16, 17, 40):
+                got = run.run(None, {"x": x[:, :rows]})[0][0]
+                assert np.array_equal(got, want[:rows]), (path, threads, rows)
+
+
+def test_row_product_is_the_float_product_within_int8_error():
+    """Against the float product of the weights w = (u - 128) s and x: the activations'
+    per-row int8 rounding, and nothing more."""
+    rng = np.random.default_rng(12)
+    u = rng.integers(1, 256, (64, 576), dtype=np.uint8)
+    s = (rng.random(64) * 0.01 + 1e-4).astype(np.float32)
+    x = rng.standard_normal((1, 9, 576)).astype(np.float32)
+    got = row_session(u, s).run(None, {"x": x})[0][0]
+    exact = x[0].astype(np.float64) @ ((u.astype(np.float64) - 128) * s[:, None]).T
+    assert np.abs(got - exact).max() < 0.01 * np.abs(exact).max()
+
+
+def row_graph(u: np.ndarray, scales: np.ndarray) -> helper.GraphProto:
+    consts = [helper.make_tensor("codes", TensorProto.UINT8, [u.size],
+                                 tiled_codes(u, 8).tobytes(), raw=True),
+              helper.make_tensor("scales", TensorProto.FLOAT, [scales.size], scales.tobytes(),
+                                 raw=True)]
+    node = helper.make_node("RowQMatMul", ["x", "codes", "scales"], ["y"],
+                            domain=kernels.DOMAIN, K=u.shape[1], N=u.shape[0])
+    return helper.make_graph([node], "g", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, [1, "S", "W"])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, [1, "S", u.shape[0]])], initializer=consts)
+
+
+def row_session(u: np.ndarray, s: np.ndarray, threads: int = 2) -> ort.InferenceSession:
+    """One RowQMatMul: 8-bit codes u = w + 128 [N, K] and a float scale per column."""
+    return kernels.op_session(row_graph(u, s), threads)
+
+
+def test_row_op_refuses_bad_inputs_with_the_reason():
+    u = np.full((32, 64), 128, np.uint8)
+    with pytest.raises(Exception, match="X's last dimension is 32, expected 64"):
+        row_session(u, np.ones(32, np.float32)).run(None, {"x": np.zeros((1, 2, 32),
+                                                                          np.float32)})
+    with pytest.raises(Exception, match="scales has 16 elements, expected N = 32"):
+        kernels.op_session(row_graph(u, np.ones(16, np.float32)), 2).run(
+            None, {"x": np.zeros((1, 2, 64), np.float32)})

@@ -249,27 +249,59 @@ def linear(g: GraphBuilder, x: str, q: QuantizedWeight, name: str, store: str,
                   **({"sub": q.block_size} if op == "BlockQMatMulK" else {}))[0]
 
 
+def _op(g: GraphBuilder, store: str, kind: str, inputs: list[str], out: str, **attrs) -> str:
+    return g.node(kind, inputs, [f"{store}.g.{out}"], f"{store}.g.{out}", **attrs)[0]
+
+
+def _i64(g: GraphBuilder, key: str, value: int) -> str:
+    return g.const(f"gq.{key}.{value}", np.array(value, np.int64))
+
+
+def lane_codes(g: GraphBuilder, codes: str, ids: str, k: int, bits: int,
+               store: str) -> tuple[str, str, str]:
+    """The bytes of rows `ids` of tiled codes (row n is lane n % 16 of tile n // 16): uint8
+    [1, S, units, 4], 4 bytes of each 64-byte unit of its tile (a group of 8-bit codes, or
+    two in nibbles), and the rows' tiles and lanes."""
+    nb, i64 = k // BLOCK, np.int64
+    units = 8 if bits == 8 else 4  # 16 x 4 bytes each: one group, or two in nibbles
+    block_bytes = 64 * bits
+    tile = _op(g, store, "Div", [ids, _i64(g, "lanes", LANES)], "tile")
+    lane = _op(g, store, "Mod", [ids, _i64(g, "lanes", LANES)], "lane")
+    tile_at = _op(g, store, "Mul", [tile, _i64(g, "tile_bytes", nb * block_bytes)], "tile_at")
+    # the row's 4 bytes in every unit of its tile (byte indices into the flat codes: a
+    # Reshape of them to rows of 4 would be folded at session load into a copy of the whole
+    # table, 160 MB for Gemma 3's head)
+    unit_at = (np.arange(nb)[:, None] * block_bytes + np.arange(units) * 64).reshape(-1)
+    four_bytes = (unit_at[:, None] + np.arange(4)).reshape(-1).astype(i64)
+    base = _op(g, store, "Add", [tile_at, _op(g, store, "Mul", [lane, _i64(g, "four", 4)],
+                                              "lane4")], "codes.base")
+    base = _op(g, store, "Unsqueeze", [base, g.const("i64.last", np.array([-1], i64))],
+               "codes.bu")
+    at = _op(g, store, "Add", [base, g.const(f"gq.codes.{nb}.{bits}", four_bytes)], "codes.at")
+    got = _op(g, store, "Gather", [codes, at], "codes")
+    return _op(g, store, "Reshape", [got, g.const(f"gq.units.{nb * units}", np.array(
+        [1, -1, nb * units, 4], i64))], "units"), tile, lane
+
+
 def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> str:
     """Embedding rows [1, S, K] read from a tied head's tiled codes (stored once): row n
     is lane n % 16 of tile n // 16, s·u + o per block (or sub-block: s = D·σ, o = M·μ)."""
     (codes, *tables), kind = _tables(g, q, store)
     nb, i64, bits = q.k // BLOCK, np.int64, code_bits(q)
-    units = 8 if bits == 8 else 4  # 16 x 4 bytes each: one group, or two in nibbles
     block_bytes = 64 * bits
 
     def const(key: str, value: int) -> str:
-        return g.const(f"gq.{key}.{value}", np.array(value, i64))
+        return _i64(g, key, value)
 
     def op(kind: str, inputs: list[str], out: str, **attrs) -> str:
-        return g.node(kind, inputs, [f"{store}.g.{out}"], f"{store}.g.{out}", **attrs)[0]
+        return _op(g, store, kind, inputs, out, **attrs)
 
     def u8(key: str, value) -> str:
         return g.const(f"gq.u8.{key}", np.array(value, np.uint8))
 
-    tile = op("Div", [ids, const("lanes", LANES)], "tile")
-    lane = op("Mod", [ids, const("lanes", LANES)], "lane")
+    got, tile, lane = lane_codes(g, codes, ids, q.k, bits, store)
     last = g.const("i64.last", np.array([-1], i64))
-    tile_at = op("Mul", [tile, const("tile_bytes", nb * block_bytes)], "tile_at")
+    tile_at = f"{store}.g.tile_at"
 
     def bytes_at(lane_at: str, steps: np.ndarray, key: str) -> str:
         """The bytes at tile_at + lane_at + each of `steps` (a byte offset within a tile)."""
@@ -277,14 +309,6 @@ def gather_rows(g: GraphBuilder, q: QuantizedWeight, ids: str, store: str) -> st
         return op("Gather", [codes, op("Add", [base, g.const(f"gq.{key}.{nb}.{bits}", steps)],
                                        f"{key}.at")], key)
 
-    # codes: the row's 4 bytes in every unit of its tile (byte indices into the flat codes:
-    # a Reshape of them to rows of 4 would be folded at session load into a copy of the whole
-    # table, 160 MB for Gemma 3's head)
-    unit_at = (np.arange(nb)[:, None] * block_bytes + np.arange(units) * 64).reshape(-1)
-    four_bytes = (unit_at[:, None] + np.arange(4)).reshape(-1).astype(i64)
-    got = bytes_at(op("Mul", [lane, const("four", 4)], "lane4"), four_bytes, "codes")
-    got = op("Reshape", [got, g.const(f"gq.units.{nb * units}", np.array(
-        [1, -1, nb * units, 4], i64))], "units")
     if bits != 8:  # group 2h in the low nibbles, 2h + 1 in the high ones
         two = g.const("i64.minus2", np.array([-2], i64))
         low = op("BitwiseAnd", [got, u8("15", 15)], "low")

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgespec.export import blockq_ops
+from edgespec.kernels import DOMAIN
+
 if TYPE_CHECKING:  # graph.py imports this module
     from edgespec.export.graph import GraphBuilder
 
@@ -54,11 +57,19 @@ def row_scale(g: GraphBuilder, x: str, name: str) -> tuple[str, str]:
     return codes, peak
 
 
+def on_kernel(g: GraphBuilder, weight: np.ndarray) -> bool:
+    """Whether a row-wise linear runs on edgespec's kernel: where the export puts its
+    linears there and the shape fits its tiles."""
+    n, k = np.shape(weight)
+    return g.own_kernel and k % blockq_ops.BLOCK == 0 and n % blockq_ops.LANES == 0
+
+
 def weight_codes(g: GraphBuilder, weight: np.ndarray, store: str) -> tuple[str, str]:
-    """The constants of a weight's int8 codes [K, N] (uint8, q + 128) and column scales
-    (scale / 127), made once per `store` (a tied head and the embedding share them):
-    GPTQ's codes where calibration measured the weight's input (`g.hessians`, by node
-    name), else round-to-nearest."""
+    """The constants of a weight's int8 codes (uint8, q + 128) and column scales, made once
+    per `store` (a tied head and the embedding share them): GPTQ's codes where calibration
+    measured the weight's input (`g.hessians`, by node name), else round-to-nearest. For
+    MatMulIntegerToFloat codes [K, N] and scale / 127 (it takes each row's peak); on
+    edgespec's kernel (op RowQMatMul) its tiled codes and the scales themselves."""
     def make() -> str:
         hessian = g.hessians.get(store)
         if hessian is None or hessian.ndim == 1:  # no XᵀX measured (calibrate's budget)
@@ -68,6 +79,9 @@ def weight_codes(g: GraphBuilder, weight: np.ndarray, store: str) -> tuple[str, 
 
             q, scale = gptq_int8(np.asarray(weight, np.float32), hessian)
             codes = np.ascontiguousarray((q.astype(np.int16) + 128).astype(np.uint8).T)
+        if on_kernel(g, weight):
+            g.fconst(f"{store}.colscale", scale)
+            return g.const(f"{store}.rowtiles", blockq_ops.tiled_codes(codes.T, 8))
         g.fconst(f"{store}.colscale", scale / 127.0)
         return g.const(f"{store}.rowcodes", codes)
 
@@ -77,8 +91,14 @@ def weight_codes(g: GraphBuilder, weight: np.ndarray, store: str) -> tuple[str, 
 def rowwise_int8(g: GraphBuilder, x: str, weight: np.ndarray, name: str,
                  store: str | None = None) -> str:
     """y = x @ weight.T as an exact integer GEMM: per-row int8 activations, per-channel
-    int8 weights, MatMulIntegerToFloat applying the row scale and the column scale."""
+    int8 weights, MatMulIntegerToFloat applying the row scale and the column scale; on
+    edgespec's kernel, where it takes the shape, one RowQMatMul (which quantizes the rows
+    itself, and runs a pass of several on AMX's tiles where the CPU has them)."""
     codes, scale = weight_codes(g, weight, store or name)
+    if on_kernel(g, weight):
+        n, k = np.shape(weight)
+        return g.node("RowQMatMul", [x, codes, scale], [f"{name}.out"], name, domain=DOMAIN,
+                      K=k, N=n)[0]
     xq, peak = row_scale(g, x, name)
     zp = g.const("linear.zp", np.array(128, np.uint8))
     return g.node("MatMulIntegerToFloat", [xq, codes, peak, scale, zp, zp],
@@ -87,11 +107,17 @@ def rowwise_int8(g: GraphBuilder, x: str, weight: np.ndarray, name: str,
 
 def gather_rowwise(g: GraphBuilder, weight: np.ndarray, ids: str, store: str) -> str:
     """Embedding rows [1, S, K] from a tied head's `rowwise_int8` codes (stored once):
-    columns `ids` of its [K, N] codes, times their column scales."""
+    columns `ids` of its [K, N] codes (rows of its tiled ones), times their column scales."""
     codes, scale = weight_codes(g, weight, store)
-    cols = g.node("Gather", [codes, ids], [f"{store}.cols"], f"{store}.cols",
-                  axis=1)[0]  # [K, 1, S]
-    rows = g.node("Transpose", [cols], [f"{store}.rows"], f"{store}.rows", perm=[1, 2, 0])[0]
+    if on_kernel(g, weight):
+        units, _, _ = blockq_ops.lane_codes(g, codes, ids, np.shape(weight)[1], 8, store)
+        rows = g.node("Reshape", [units, g.const(f"rows.{np.shape(weight)[1]}", np.array(
+            [1, -1, np.shape(weight)[1]], np.int64))], [f"{store}.rows"], f"{store}.rows")[0]
+    else:
+        cols = g.node("Gather", [codes, ids], [f"{store}.cols"], f"{store}.cols",
+                      axis=1)[0]  # [K, 1, S]
+        rows = g.node("Transpose", [cols], [f"{store}.rows"], f"{store}.rows",
+                      perm=[1, 2, 0])[0]
     rows = g.node("Cast", [rows], [f"{store}.rows.f"], f"{store}.rows.f", to=1)[0]
     centred = g.node("Sub", [rows, g.fconst("linear.zp.f", 128.0)], [f"{store}.rows.c"],
                      f"{store}.rows.c")[0]
@@ -99,6 +125,8 @@ def gather_rowwise(g: GraphBuilder, weight: np.ndarray, ids: str, store: str) ->
     col = g.node("Unsqueeze", [col, g.const("linear.last", np.array([-1], np.int64))],
                  [f"{store}.rows.su"], f"{store}.rows.su")[0]
     unit = g.node("Mul", [centred, col], [f"{store}.rows.u"], f"{store}.rows.u")[0]
+    if on_kernel(g, weight):  # the scales themselves
+        return unit
     return g.node("Mul", [unit, g.fconst("linear.127", 127.0)], [f"{store}.rows.out"],
                   f"{store}.rows.out")[0]
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 DOMAIN = "edgespec"  # the ops' ONNX domain
-LAYOUT = 8  # blockq.h's layout and ops: cached exports are made anew when it changes
+LAYOUT = 9  # blockq.h's layout and ops: cached exports are made anew when it changes
 # model metadata of graphs on the attention op: a tree pass's rows are bitwise chain rows
 EXACT_TREES = "edgespec.exact_trees"
 
@@ -57,7 +57,8 @@ def available() -> bool:
     return library() is not None
 
 
-PATHS = {2: "AVX-512 VNNI", 1: "AVX2", 0: "portable C"}  # blockq.c's column kernels
+# blockq.c's column kernels (3: AMX's tiles take row-wise passes of 8 rows or more)
+PATHS = {3: "AVX-512 VNNI and AMX", 2: "AVX-512 VNNI", 1: "AVX2", 0: "portable C"}
 
 
 def path() -> int | None:

@@ -519,8 +519,8 @@ int64_t attend_keys(const AttendShape *a, const float *bias, int64_t r0, int64_t
 void attend_scores(const AttendBlock *b, int64_t g, int64_t u0, int64_t u1) {
     const int kind = kind_of(b->a);
 #ifdef EDGESPEC_X86
-    if (blockq_path() >= 1) {
-        SCORES[blockq_path() - 1][kind](b, g, u0, u1);
+    if (blockq_simd() >= 1) {
+        SCORES[blockq_simd() - 1][kind](b, g, u0, u1);
         return;
     }
 #endif
@@ -577,14 +577,14 @@ AVX2 static float run_scores_avx2(float *w, const float *bias, int64_t n, float 
 
 static float run_scores(float *w, const float *bias, int64_t n, float scale) {
 #ifdef EDGESPEC_X86
-    if (blockq_path() >= 1) return run_scores_avx2(w, bias, n, scale);
+    if (blockq_simd() >= 1) return run_scores_avx2(w, bias, n, scale);
 #endif
     return run_scores_portable(w, bias, n, scale);
 }
 
 static void to_halves(const float *x, uint16_t *out, int64_t n) {
 #ifdef EDGESPEC_X86
-    if (blockq_path() >= 1) {
+    if (blockq_simd() >= 1) {
         to_halves_avx2(x, out, n);
         return;
     }
@@ -594,8 +594,8 @@ static void to_halves(const float *x, uint16_t *out, int64_t n) {
 
 static float exps(float *e, int64_t n, float top) {
 #ifdef EDGESPEC_X86
-    if (blockq_path() == 2) return exps_512(e, n, top);
-    if (blockq_path() == 1) return exps_avx2(e, n, top);
+    if (blockq_simd() == 2) return exps_512(e, n, top);
+    if (blockq_simd() == 1) return exps_avx2(e, n, top);
 #endif
     return exps_portable(e, n, top);
 }
@@ -660,9 +660,9 @@ void attend_values(const AttendBlock *b, int64_t g, int64_t d0, int64_t d1) {
     const int kind = kind_of(a);
     void (*normalize)(float *, const float *, float, int64_t) = normalize_portable;
 #ifdef EDGESPEC_X86
-    if (blockq_path() == 2) normalize = normalize_512;
-    if (blockq_path() >= 1)
-        VALUES[blockq_path() - 1][kind](b, g, d0, d1);
+    if (blockq_simd() == 2) normalize = normalize_512;
+    if (blockq_simd() >= 1)
+        VALUES[blockq_simd() - 1][kind](b, g, d0, d1);
     else
 #endif
         values_portable(b, g, d0, d1, kind);

@@ -6,8 +6,18 @@
  * after block, I the exact integer dot product of a block's codes and the row's int8 codes.
  * Build with -ffp-contract=off so the compiler fuses nothing the other kernels do not.
  */
+#define _GNU_SOURCE /* syscall(): asking Linux for AMX's tile state */
 #include "blockq.h"
 #include "simd.h"
+
+#if defined(EDGESPEC_X86) && defined(__linux__) && \
+    (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define EDGESPEC_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
+#endif
 
 
 #define GROUPS 8 /* groups of 4 inputs in a block of 32 */
@@ -16,6 +26,14 @@
 
 /* Bit planes a block's codes have after their low nibbles: bits - 4 for 5 and 6 bits. */
 static inline int planes_of(int64_t bits) { return bits == 8 ? 0 : (int)bits - 4; }
+
+/* Whether rows keep each pair of blocks together (blockq.h: row-wise rows, K % 64 == 0). */
+static inline int paired(const BlockqRows *x) { return x->rowwise && x->K % 64 == 0; }
+
+/* Where row m's codes of block b begin. */
+static inline int64_t codes_at(const BlockqRows *x, int64_t m, int64_t b) {
+    return paired(x) ? ((b / 2) * x->M + m) * 64 + (b % 2) * 32 : (b * x->M + m) * 32;
+}
 
 /* Per row and block: d = peak / 127, and the factor taking x to codes (0 for a zero block). */
 static float to_codes(float peak, float *d) {
@@ -38,19 +56,27 @@ static void store_block(BlockqRows *rows, int64_t at, float d, int32_t sum, int3
     }
 }
 
+/* The largest |x[i]| of n values (exact, so every path's is the same). */
+static float peak_portable(const float *x, int64_t n) {
+    float peak = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+        const float a = fabsf(x[i]);
+        peak = a > peak ? a : peak;
+    }
+    return peak;
+}
+
 /* Codes by int8_code (simd.h): the SIMD paths' rounding, with no libm call. */
 static void quantize_portable(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
     const int64_t K = rows->K, nb = K / 32;
     for (int64_t m = m0; m < m1; ++m) {
+        float row_d = 0.0f;
+        const float row_inv = rows->rowwise ? to_codes(peak_portable(x + m * K, K), &row_d) : 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
-            int8_t *q = rows->q + (b * rows->M + m) * 32;
-            float peak = 0.0f, d;
-            for (int i = 0; i < 32; ++i) {
-                const float a = fabsf(v[i]);
-                peak = a > peak ? a : peak;
-            }
-            const float inv = to_codes(peak, &d);
+            int8_t *q = rows->q + codes_at(rows, m, b);
+            float d = row_d;
+            const float inv = rows->rowwise ? row_inv : to_codes(peak_portable(v, 32), &d);
             int32_t sum = 0, first = 0;
             for (int i = 0; i < 32; ++i) {
                 q[i] = int8_code(v[i] * inv);
@@ -151,6 +177,37 @@ static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *
     }
 }
 
+/* A row's integer code sum over all of K (its blocks' isum). */
+static int32_t row_isum(const BlockqRows *x, int64_t m) {
+    int32_t sum = 0;
+    for (int64_t b = 0; b < x->K / 32; ++b) sum += x->isum[b * x->M + m];
+    return sum;
+}
+
+/* Row-wise: output n of row m is float(I) * (scale[n] * d[m]) (blockq.h). */
+static inline float row_output(const BlockqRows *x, const BlockqWeight *w, int64_t m, int64_t n,
+                               int32_t exact) {
+    return (float)exact * (((const float *)w->scales)[n] * x->d[m]);
+}
+
+static void columns_portable_row(const BlockqRows *x, const BlockqWeight *w, float *y,
+                                 int64_t t0, int64_t t1) {
+    const int64_t K = x->K, N = w->N, nb = K / 32;
+    for (int64_t t = t0; t < t1; ++t)
+        for (int c = 0; c < LANES; ++c)
+            for (int64_t m = 0; m < x->M; ++m) {
+                int32_t dot = 0;
+                for (int64_t b = 0; b < nb; ++b) {
+                    const uint8_t *block = w->codes + (t * nb + b) * GROUPS * 4 * LANES;
+                    const int8_t *q = x->q + codes_at(x, m, b);
+                    for (int g = 0; g < GROUPS; ++g)
+                        for (int j = 0; j < 4; ++j)
+                            dot += (block[g * 64 + c * 4 + j] - 128) * q[g * 4 + j];
+                }
+                y[m * N + t * LANES + c] = row_output(x, w, m, t * LANES + c, dot);
+            }
+}
+
 #ifdef EDGESPEC_X86
 #define MAX_ROWS 6
 
@@ -194,7 +251,7 @@ static inline void prefetch_block(const BlockqWeight *w, const Ahead *a, int64_t
         const char *codes = (const char *)(w->codes + at * block_bytes);
         for (int64_t line = a->part * 64; line < block_bytes; line += 64 * a->parts)
             prefetch(codes + line);
-        if (a->part == 0) {
+        if (a->part == 0 && !w->rowwise) {
             const int64_t table = table_index(nb, a->tile + i, b, w->sub) * entry;
             prefetch((const char *)w->scales + table);
             prefetch((const char *)w->offsets + table);
@@ -209,7 +266,7 @@ static inline void prefetch_block(const BlockqWeight *w, const Ahead *a, int64_t
 
 static int32_t four_codes(const BlockqRows *x, int64_t m, int64_t b, int g) {
     int32_t four;
-    memcpy(&four, x->q + (b * x->M + m) * 32 + g * 4, 4);
+    memcpy(&four, x->q + codes_at(x, m, b) + g * 4, 4);
     return four;
 }
 
@@ -498,6 +555,210 @@ VNNI static void columns_vnni(const BlockqRows *x, const BlockqWeight *w, float 
         (w->half ? columns_vnni_8_1_0_0 : columns_vnni_8_0_0_0)(x, w, y, t0, t1);
 }
 
+/* AVX2, row-wise: rows m0 .. m0+R-1 of one tile, each sum over all of K (dot4_avx2 gives
+ * (u - 128) * a exactly), then one float step an output. */
+AVX2 INLINE void tile_rows_avx2_row(const BlockqRows *x, const BlockqWeight *wt, float *y,
+                                    int64_t t, int64_t m0, const int R, const Ahead *ahead) {
+    const int64_t N = wt->N, nb = x->K / 32;
+    __m256i dot[2][2];
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *block = wt->codes + (t * nb + b) * GROUPS * 4 * LANES;
+        prefetch_block(wt, ahead, nb, b);
+        for (int g = 0; g < GROUPS; ++g)
+            for (int half = 0; half < 2; ++half) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(block + g * 64 + half * 32));
+                for (int r = 0; r < R; ++r)
+                    dot[r][half] = _mm256_add_epi32(dot[r][half], dot4_avx2(
+                        w, _mm256_set1_epi32(four_codes(x, m0 + r, b, g)), 8));
+            }
+    }
+    for (int r = 0; r < R; ++r) {
+        const __m256 d = _mm256_set1_ps(x->d[m0 + r]);
+        for (int half = 0; half < 2; ++half) {
+            const __m256 s = _mm256_loadu_ps((const float *)wt->scales + t * LANES + half * 8);
+            _mm256_storeu_ps(y + (m0 + r) * N + t * LANES + half * 8, _mm256_mul_ps(
+                _mm256_cvtepi32_ps(dot[r][half]), _mm256_mul_ps(s, d)));
+        }
+    }
+}
+
+AVX2 static void columns_avx2_row(const BlockqRows *x, const BlockqWeight *w, float *y,
+                                  int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+        for (int64_t m0 = 0; m0 < x->M; m0 += 2) {
+            const Ahead ahead = {t + 1, t + 1 < w->N / LANES, 0, 1};
+            if (m0 + 2 <= x->M)
+                tile_rows_avx2_row(x, w, y, t, m0, 2, &ahead);
+            else
+                tile_rows_avx2_row(x, w, y, t, m0, 1, &ahead);
+        }
+}
+
+/* AVX-512 VNNI, row-wise: rows m0 .. m0+R-1 of T adjacent tiles, vpdpbusd's sums of u * a
+ * over all of K, less 128 times the row's code sum, then one float step an output. */
+VNNI INLINE void tile_rows_vnni_row(const BlockqRows *x, const BlockqWeight *wt, float *y,
+                                    int64_t t, int64_t m0, const int T, const int R,
+                                    const Ahead *ahead) {
+    const int64_t N = wt->N, nb = x->K / 32, block_bytes = GROUPS * 4 * LANES;
+    __m512i dot[2][MAX_ROWS];
+    for (int i = 0; i < T; ++i)
+        for (int r = 0; r < R; ++r) dot[i][r] = _mm512_setzero_si512();
+    for (int64_t b = 0; b < nb; ++b) {
+        prefetch_block(wt, ahead, nb, b);
+        for (int g = 0; g < GROUPS; ++g) {
+            __m512i w[2];
+            for (int i = 0; i < T; ++i)
+                w[i] = _mm512_loadu_si512((const void *)(wt->codes + ((t + i) * nb + b) * block_bytes
+                                                         + g * 64));
+            for (int r = 0; r < R; ++r) {
+                int32_t four;
+                memcpy(&four, x->q + codes_at(x, m0 + r, b) + g * 4, 4);
+                const __m512i a = _mm512_set1_epi32(four);
+                for (int i = 0; i < T; ++i) dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w[i], a);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        const __m512i zero = _mm512_set1_epi32(128 * row_isum(x, m0 + r));
+        const __m512 d = _mm512_set1_ps(x->d[m0 + r]);
+        for (int i = 0; i < T; ++i) {
+            const __m512 s = _mm512_loadu_ps((const float *)wt->scales + (t + i) * LANES);
+            _mm512_storeu_ps(y + (m0 + r) * N + (t + i) * LANES, _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[i][r], zero)), _mm512_mul_ps(s, d)));
+        }
+    }
+}
+
+#define VNNI_ROW_CASE(T, n) \
+    case n: tile_rows_vnni_row(x, w, y, t, m0, T, n, &ahead); break;
+#define VNNI_ROW_SWITCH(T, rows)                                                              \
+    switch (rows) {                                                                           \
+        VNNI_ROW_CASE(T, 1) VNNI_ROW_CASE(T, 2) VNNI_ROW_CASE(T, 3)                           \
+        VNNI_ROW_CASE(T, 4) VNNI_ROW_CASE(T, 5) VNNI_ROW_CASE(T, 6)                           \
+    }
+
+VNNI static void columns_vnni_row(const BlockqRows *x, const BlockqWeight *w, float *y,
+                                  int64_t t0, int64_t t1) {
+    const int64_t M = x->M, chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
+    for (int64_t t = t0; t < t1; t += 2)
+        for (int64_t c = 0, m0 = 0; c < chunks; ++c) {
+            const int64_t rows = (M - m0) / (chunks - c), left = w->N / LANES - t - 2;
+            const Ahead ahead = {t + 2, left < 0 ? 0 : (left < 2 ? left : 2), (int)c, (int)chunks};
+            if (t + 1 < t1) {
+                VNNI_ROW_SWITCH(2, rows)
+            } else {
+                VNNI_ROW_SWITCH(1, rows)
+            }
+            m0 += rows;
+        }
+}
+
+#ifdef EDGESPEC_AMX
+/* AMX: tile configurations by the inputs a tile product takes (32: a block, or 64: a pair
+ * of blocks where rows keep them together) and the rows of a pass's two row groups, R0
+ * (1..16) and R1 (0..16): C tiles 0, 1 (group 0) and 2, 3 (group 1), the activations' A
+ * tiles 4, 5 of R0 and R1 rows, the weights' B tiles 6 and 7 of 8 or 16 rows (a block's 8
+ * groups of 4 inputs, 64 bytes each: blockq.h's layout is AMX's, and a tile's blocks follow
+ * each other). Kept in static storage: GCC drops stores to a local one that only ldtilecfg
+ * reads. */
+typedef struct {
+    uint8_t palette, start, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+static TileConfig amx_configs[2][17][17];
+
+static void amx_configure(void) {
+    for (int pair = 0; pair < 2; ++pair)
+        for (int r0 = 1; r0 <= 16; ++r0)
+            for (int r1 = 0; r1 <= 16; ++r1) {
+                TileConfig *c = &amx_configs[pair][r0][r1];
+                memset(c, 0, sizeof *c);
+                c->palette = 1;
+                const int b_rows = GROUPS << pair;
+                const int rows[8] = {r0, r0, r1, r1, r0, r1, b_rows, b_rows};
+                for (int i = 0; i < 8; ++i) {
+                    c->rows[i] = (uint8_t)rows[i];
+                    c->colsb[i] = rows[i] == 0 ? 0 : i == 4 || i == 5 ? 32 << pair : 64;
+                }
+            }
+}
+
+/* The float step of a C tile's sums (R rows of 16 lanes) into y, as columns_vnni_row's. */
+VNNI INLINE void amx_outputs(const BlockqRows *x, const BlockqWeight *w, float *y,
+                             const int32_t *sums, int64_t t, int64_t m0, int R) {
+    const __m512 s = _mm512_loadu_ps((const float *)w->scales + t * LANES);
+    for (int r = 0; r < R; ++r) {
+        const __m512i exact = _mm512_sub_epi32(_mm512_load_si512((const void *)(sums + r * LANES)),
+                                               _mm512_set1_epi32(128 * row_isum(x, m0 + r)));
+        _mm512_storeu_ps(y + (m0 + r) * w->N + t * LANES, _mm512_mul_ps(
+            _mm512_cvtepi32_ps(exact), _mm512_mul_ps(s, _mm512_set1_ps(x->d[m0 + r]))));
+    }
+}
+
+/* AMX, row-wise: each block of a tile pair is one tile product (tdpbsud: int8 activations
+ * times unsigned codes) for each of two row groups of up to 16 rows, the four accumulated
+ * in their C tiles over all of K; the sums are then what vpdpbusd's are, and so is every
+ * output. */
+AMX static void columns_amx_row(const BlockqRows *x, const BlockqWeight *w, float *y,
+                                int64_t t0, int64_t t1) {
+    const int64_t M = x->M, N = w->N, nb = x->K / 32, block_bytes = GROUPS * 4 * LANES;
+    const int pair = paired(x), step = 1 + pair; /* blocks a tile product takes */
+    int32_t sums[4][16 * LANES] __attribute__((aligned(64)));
+    const TileConfig *configured = NULL;
+    for (int64_t t = t0; t < t1; t += 2) {
+        const int T = t + 1 < t1 ? 2 : 1;
+        /* the tile pair after next: a pair's tile products take less time than its
+         * weights take to arrive (2 threads, weights from memory, 17 rows: 0.75x the time
+         * of prefetching the next pair) */
+        const int64_t left = N / LANES - t - 4;
+        const Ahead ahead = {t + 4, left < 0 ? 0 : (left < 2 ? left : 2), 0, 1};
+        for (int64_t m0 = 0; m0 < M; m0 += 32) {
+            const int64_t left_rows = M - m0 < 32 ? M - m0 : 32;
+            const int R0 = left_rows <= 16 ? (int)left_rows : (int)(left_rows + 1) / 2;
+            const int R1 = (int)left_rows - R0;
+            if (configured != &amx_configs[pair][R0][R1]) {
+                configured = &amx_configs[pair][R0][R1];
+                _tile_loadconfig(configured);
+            }
+            _tile_zero(0);
+            _tile_zero(1);
+            if (R1) { /* group 1's tiles have no rows otherwise: touching them faults */
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            for (int64_t b = 0; b < nb; b += step) {
+                if (m0 == 0)
+                    for (int i = 0; i < step; ++i) prefetch_block(w, &ahead, nb, b + i);
+                const int8_t *qb = x->q + codes_at(x, m0, b);
+                _tile_loadd(4, qb, 32 * step);
+                _tile_loadd(6, w->codes + (t * nb + b) * block_bytes, 64);
+                if (T == 2) _tile_loadd(7, w->codes + ((t + 1) * nb + b) * block_bytes, 64);
+                _tile_dpbsud(0, 4, 6);
+                if (T == 2) _tile_dpbsud(1, 4, 7);
+                if (R1) {
+                    _tile_loadd(5, qb + R0 * 32 * step, 32 * step);
+                    _tile_dpbsud(2, 5, 6);
+                    if (T == 2) _tile_dpbsud(3, 5, 7);
+                }
+            }
+            _tile_stored(0, sums[0], LANES * 4);
+            if (T == 2) _tile_stored(1, sums[1], LANES * 4);
+            if (R1) {
+                _tile_stored(2, sums[2], LANES * 4);
+                if (T == 2) _tile_stored(3, sums[3], LANES * 4);
+            }
+            for (int i = 0; i < T; ++i) {
+                amx_outputs(x, w, y, sums[i], t + i, m0, R0);
+                if (R1) amx_outputs(x, w, y, sums[2 + i], t + i, m0 + R0, R1);
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float *y, int64_t t0,
                               int64_t t1) {
     const int parts = (int)((x->M + 1) / 2);
@@ -516,23 +777,30 @@ AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float 
 
 /* The portable quantizer's results with vector instructions: max, multiply, clamp and
  * round to nearest even are exact, so every path gives the same codes. */
+/* peak_portable's value on 16 lanes (n % 32 == 0). */
+VNNI static float peak_512(const float *x, int64_t n) {
+    __m512 peak = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) peak = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), peak);
+    return _mm512_reduce_max_ps(peak);
+}
+
 VNNI static void quantize_vnni(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
     const int64_t K = rows->K, nb = K / 32;
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     for (int64_t m = m0; m < m1; ++m) {
+        float row_d = 0.0f;
+        const float row_inv = rows->rowwise ? to_codes(peak_512(x + m * K, K), &row_d) : 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
             const __m512 a[2] = {_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)};
-            __m512 peak = _mm512_setzero_ps();
-            for (int i = 0; i < 2; ++i) peak = _mm512_max_ps(_mm512_abs_ps(a[i]), peak);
-            float d;
-            const __m512 inv = _mm512_set1_ps(to_codes(_mm512_reduce_max_ps(peak), &d));
+            float d = row_d;
+            const __m512 inv = _mm512_set1_ps(rows->rowwise ? row_inv : to_codes(peak_512(v, 32), &d));
             int32_t sums[2];
             for (int i = 0; i < 2; ++i) {
                 const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a[i], inv), lo), hi);
                 const __m512i c = _mm512_cvtps_epi32(
                     _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-                _mm_storeu_si128((__m128i *)(rows->q + (b * rows->M + m) * 32 + i * 16),
+                _mm_storeu_si128((__m128i *)(rows->q + codes_at(rows, m, b) + i * 16),
                                  _mm512_cvtepi32_epi8(c));
                 sums[i] = _mm512_reduce_add_epi32(c);
             }
@@ -549,24 +817,31 @@ AVX2 INLINE int32_t hsum_avx2(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+/* peak_portable's value on 8 lanes (n % 32 == 0). */
+AVX2 static float peak_256(const float *x, int64_t n) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 peak = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8)
+        peak = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude), peak);
+    __m128 p = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    p = _mm_max_ps(p, _mm_movehl_ps(p, p));
+    p = _mm_max_ss(p, _mm_shuffle_ps(p, p, 1));
+    return _mm_cvtss_f32(p);
+}
+
 AVX2 static void quantize_avx2(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
     const int64_t K = rows->K, nb = K / 32;
     const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = m0; m < m1; ++m) {
+        float row_d = 0.0f;
+        const float row_inv = rows->rowwise ? to_codes(peak_256(x + m * K, K), &row_d) : 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
-            __m256 a[4], peak = _mm256_setzero_ps();
-            for (int i = 0; i < 4; ++i) {
-                a[i] = _mm256_loadu_ps(v + 8 * i);
-                peak = _mm256_max_ps(_mm256_and_ps(a[i], magnitude), peak);
-            }
-            __m128 p = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
-            p = _mm_max_ps(p, _mm_movehl_ps(p, p));
-            p = _mm_max_ss(p, _mm_shuffle_ps(p, p, 1));
-            float d;
-            const __m256 inv = _mm256_set1_ps(to_codes(_mm_cvtss_f32(p), &d));
+            __m256 a[4];
+            for (int i = 0; i < 4; ++i) a[i] = _mm256_loadu_ps(v + 8 * i);
+            float d = row_d;
+            const __m256 inv = _mm256_set1_ps(rows->rowwise ? row_inv : to_codes(peak_256(v, 32), &d));
             __m256i c[4];
             for (int i = 0; i < 4; ++i) {
                 const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(a[i], inv), lo), hi);
@@ -576,7 +851,7 @@ AVX2 static void quantize_avx2(const float *x, BlockqRows *rows, int64_t m0, int
             /* int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it */
             const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
                                                      _mm256_packs_epi32(c[2], c[3]));
-            _mm256_storeu_si256((__m256i *)(rows->q + (b * rows->M + m) * 32),
+            _mm256_storeu_si256((__m256i *)(rows->q + codes_at(rows, m, b)),
                                 _mm256_permutevar8x32_epi32(bytes, order));
             const int32_t first = hsum_avx2(_mm256_add_epi32(c[0], c[1]));
             store_block(rows, b * rows->M + m, d, first + hsum_avx2(_mm256_add_epi32(c[2], c[3])),
@@ -605,12 +880,29 @@ EXP_SIMD(256, AVX2)
 SILU_MUL_SIMD(512, VNNI)
 SILU_MUL_SIMD(256, AVX2)
 
+#ifdef EDGESPEC_AMX
+/* AMX's int8 tiles, where the CPU has them (CPUID leaf 7: AMX-TILE, AMX-INT8) and Linux
+ * grants this process their state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
+static int amx_usable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 25)))
+        return 0;
+    if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return 0;
+    amx_configure();
+    return 1;
+}
+#endif
+
 static int best_path(void) {
     __builtin_cpu_init();
     prefetch_nta = __builtin_cpu_is("amd");
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")) {
+#ifdef EDGESPEC_AMX
+        if (amx_usable()) return 3;
+#endif
         return 2;
+    }
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                    __builtin_cpu_supports("f16c") ? 1 : 0;
 }
@@ -630,9 +922,12 @@ int blockq_path(void) {
 
 void blockq_limit_path(int path) { path_limit = path; }
 
+int blockq_simd(void) { return blockq_path() > 2 ? 2 : blockq_path(); }
+
 void blockq_quantize_range(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
     switch (blockq_path()) {
 #ifdef EDGESPEC_X86
+    case 3:
     case 2: quantize_vnni(x, rows, m0, m1); return;
     case 1: quantize_avx2(x, rows, m0, m1); return;
 #endif
@@ -647,6 +942,7 @@ void blockq_quantize_rows(const float *x, BlockqRows *rows) {
 void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out) {
     switch (blockq_path()) {
 #ifdef EDGESPEC_X86
+    case 3:
     case 2: silu_mul_512(x, M, K, out); return;
     case 1: silu_mul_256(x, M, K, out); return;
 #endif
@@ -656,8 +952,26 @@ void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out) {
 
 void blockq_columns(const BlockqRows *rows, const BlockqWeight *weight, float *y,
                     int64_t tile_begin, int64_t tile_end) {
+    if (weight->rowwise) {
+        switch (blockq_path()) {
+#ifdef EDGESPEC_X86
+#ifdef EDGESPEC_AMX
+        case 3:
+            if (rows->M >= BLOCKQ_AMX_ROWS) {
+                columns_amx_row(rows, weight, y, tile_begin, tile_end);
+                return;
+            }
+            /* fall through: fewer rows read their weights faster on VNNI */
+#endif
+        case 2: columns_vnni_row(rows, weight, y, tile_begin, tile_end); return;
+        case 1: columns_avx2_row(rows, weight, y, tile_begin, tile_end); return;
+#endif
+        default: columns_portable_row(rows, weight, y, tile_begin, tile_end); return;
+        }
+    }
     switch (blockq_path()) {
 #ifdef EDGESPEC_X86
+    case 3:
     case 2: columns_vnni(rows, weight, y, tile_begin, tile_end); return;
     case 1: columns_avx2(rows, weight, y, tile_begin, tile_end); return;
 #endif

@@ -27,6 +27,12 @@
  * block's float scale and offset, once per sub-block: a block of 32 with sub-blocks of 16
  * takes two integer dot products, each with its own scale, and the offset of each half
  * multiplies that half's activation sum (sum16).
+ *
+ * Row-wise products (`rowwise`, op RowQMatMul: a rotated int8 export): one scale per
+ * activation row (its codes all taken by the row's peak) and one per weight column (8-bit
+ * codes u = w + 128, symmetric), so a row's integer dot product runs over all of K and the
+ * float work is one step per output, y[m, n] = float(I) * (scale[n] * d[m]) with
+ * I = sum_k (u[n,k] - 128) * qx[m,k]: exact, so any kernel (AMX tiles included) gives it.
  */
 #ifndef EDGESPEC_BLOCKQ_H
 #define EDGESPEC_BLOCKQ_H
@@ -34,10 +40,10 @@
 #include <stdint.h>
 
 /* The version of the weight layout below and of the library's ops (5: AttentionHalf,
- * 6: BlockQMatMul's codebook, 7: BlockQMatMulK, 8: 5- and 6-bit codes);
+ * 6: BlockQMatMul's codebook, 7: BlockQMatMulK, 8: 5- and 6-bit codes, 9: RowQMatMul);
  * edgespec/kernels/__init__.py's LAYOUT must match, so a library built from other sources
  * is never used on this package's bundles. */
-#define BLOCKQ_LAYOUT 8
+#define BLOCKQ_LAYOUT 9
 int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes
@@ -46,7 +52,8 @@ int blockq_layout(void);
  * codes of block b at q + (b*M + m)*32, its d, sum and isum at b*M + m, so the rows a kernel
  * multiplies together lie side by side at fixed offsets. With sum16 and isum16 (else NULL),
  * the same of each half of a block too, at (b*M + m)*2 + half: what weights in sub-blocks
- * of 16 need. */
+ * of 16 need. `rowwise`: every block of a row is coded by the row's peak (its d the
+ * same in every block), for row-wise products. */
 typedef struct {
     int8_t *q;
     float *d, *sum;
@@ -54,6 +61,7 @@ typedef struct {
     int64_t M, K;
     float *sum16;
     int32_t *isum16;
+    int rowwise;
 } BlockqRows;
 
 void blockq_quantize_rows(const float *x, BlockqRows *rows);
@@ -73,7 +81,9 @@ void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out);
  * 16 values of a non-uniform grid (GGUF's IQ4_NL and IQ4_XS: blockq_iq4), which may take
  * all 8 bits, read at 4 bits a weight. With `sub` (16 or 32; 0: per-block tables), the
  * K-quant tables: scales and offsets per super-block (half), sub_scales and sub_offsets
- * per sub-block of `sub` inputs (K % 256 == 0; sub 16 needs the rows' sum16 and isum16). */
+ * per sub-block of `sub` inputs (K % 256 == 0; sub 16 needs the rows' sum16 and isum16).
+ * `rowwise` (8-bit codes, rows quantized rowwise): scales is one float per column [N],
+ * offsets unused. */
 typedef struct {
     const uint8_t *codes;
     const void *scales, *offsets;
@@ -82,6 +92,7 @@ typedef struct {
     const uint8_t *book;
     const int8_t *sub_scales, *sub_offsets;
     int64_t sub;
+    int rowwise;
 } BlockqWeight;
 
 /* GGUF's IQ4 grid (gguf-py's IQ4_NL.kvalues) + 128, as unsigned codes with zero point 128. */
@@ -91,8 +102,13 @@ extern const uint8_t blockq_iq4[16];
 void blockq_columns(const BlockqRows *rows, const BlockqWeight *weight, float *y,
                     int64_t tile_begin, int64_t tile_end);
 
-/* The column kernel that runs here: 2 AVX-512 VNNI, 1 AVX2, 0 portable C (same results). */
+/* The column kernel that runs here: 3 AVX-512 VNNI with AMX tiles for row-wise passes of
+ * BLOCKQ_AMX_ROWS rows or more, 2 AVX-512 VNNI, 1 AVX2, 0 portable C (same results). */
 int blockq_path(void);
+#define BLOCKQ_AMX_ROWS 8
+
+/* The vector width the path runs (2 AVX-512, 1 AVX2, 0 none): what attention takes. */
+int blockq_simd(void);
 
 /* Run no kernel above `path` (tests compare them; -1 lifts the limit). */
 void blockq_limit_path(int path);

@@ -40,6 +40,7 @@
 #define OP_NAME "BlockQMatMul"
 #define OP_NAME_HALF "BlockQMatMulHalf"
 #define OP_NAME_K "BlockQMatMulK"
+#define OP_NAME_ROW "RowQMatMul"
 #define OP_DOMAIN "edgespec"
 
 /* Column tiles are handed out in at most TASKS_PER_CPU ranges per online CPU (the pool takes
@@ -61,6 +62,7 @@ typedef struct {
   int64_t cpus;
   int half;    /* scales and offsets in IEEE half (OP_NAME_HALF, OP_NAME_K) */
   int64_t sub; /* OP_NAME_K's sub-block size, else 0 */
+  int rowwise; /* OP_NAME_ROW: 8-bit codes, a scale per row and per column (blockq.h) */
 } BlockQKernel;
 
 static OrtStatus *error_in(const char *op, const OrtApi *api, OrtErrorCode code,
@@ -110,7 +112,7 @@ static int64_t optional_attr(const OrtApi *api, const OrtKernelInfo *info, const
   return 0;
 }
 
-static const OrtCustomOp g_op, g_op_half, g_op_k;
+static const OrtCustomOp g_op, g_op_half, g_op_k, g_op_row;
 
 static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi *api,
                                              const OrtKernelInfo *info, void **kernel) {
@@ -119,7 +121,10 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   OrtStatus *st;
   if ((st = read_attr(api, info, "K", &K)) != NULL) return st;
   if ((st = read_attr(api, info, "N", &N)) != NULL) return st;
-  if ((st = read_attr(api, info, "bits", &bits)) != NULL) return st;
+  if (op == &g_op_row)
+    bits = 8;
+  else if ((st = read_attr(api, info, "bits", &bits)) != NULL)
+    return st;
   const int64_t gated = optional_attr(api, info, "gated");
   const int64_t codebook = optional_attr(api, info, "codebook");
   if (K <= 0 || K % 32 != 0)
@@ -131,6 +136,8 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   if (bits != 4 && bits != 5 && bits != 6 && bits != 8)
     return op_error(api, ORT_INVALID_ARGUMENT, "bits must be 4, 5, 6 or 8, got %lld",
                     (long long)bits);
+  if (op == &g_op_row && (gated != 0 || codebook != 0))
+    return op_error(api, ORT_INVALID_ARGUMENT, "RowQMatMul takes neither gated nor codebook");
   if (codebook != 0 && (codebook != 1 || bits != 4))
     return op_error(api, ORT_INVALID_ARGUMENT, "codebook must be 0, or 1 with bits 4, got %lld",
                     (long long)codebook);
@@ -159,6 +166,7 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   k->cpus = online_cpus();
   k->half = op == &g_op_half || op == &g_op_k;
   k->sub = sub;
+  k->rowwise = op == &g_op_row;
   *kernel = k;
   return NULL;
 }
@@ -293,12 +301,13 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   const int64_t width = k->gated ? 2 * K : K; /* X's last dimension */
   OrtStatus *st;
 
-  const size_t wanted = k->sub ? 6 : 4;
+  const size_t wanted = k->rowwise ? 3 : k->sub ? 6 : 4;
   size_t n_inputs = 0;
   if ((st = api->KernelContext_GetInputCount(ctx, &n_inputs)) != NULL) return st;
   if (n_inputs != wanted)
-    return op_error(api, ORT_INVALID_ARGUMENT, "takes %zu inputs (X, codes, scales, offsets%s), "
-                    "got %zu", wanted, k->sub ? ", sub_scales, sub_offsets" : "", n_inputs);
+    return op_error(api, ORT_INVALID_ARGUMENT, "takes %zu inputs (X, codes, scales%s%s), got %zu",
+                    wanted, k->rowwise ? "" : ", offsets",
+                    k->sub ? ", sub_scales, sub_offsets" : "", n_inputs);
   const OrtValue *in[6];
   for (size_t i = 0; i < wanted; i++) {
     in[i] = NULL;
@@ -308,10 +317,13 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
 
   if ((st = check_vector(api, in[1], "codes", N * K / 8 * bits, "N*K*bits/8")) != NULL)
     return st;
-  const int64_t per_table = k->sub ? K / 256 : nb, per_sub = k->sub ? K / k->sub : 0;
-  const char *table_rule = k->sub ? "N*K/256" : "N*K/32";
+  const int64_t per_table = k->rowwise ? 1 : k->sub ? K / 256 : nb;
+  const int64_t per_sub = k->sub ? K / k->sub : 0;
+  const char *table_rule = k->rowwise ? "N" : k->sub ? "N*K/256" : "N*K/32";
   if ((st = check_vector(api, in[2], "scales", N * per_table, table_rule)) != NULL) return st;
-  if ((st = check_vector(api, in[3], "offsets", N * per_table, table_rule)) != NULL) return st;
+  if (!k->rowwise &&
+      (st = check_vector(api, in[3], "offsets", N * per_table, table_rule)) != NULL)
+    return st;
   if (k->sub && ((st = check_vector(api, in[4], "sub_scales", N * per_sub, "N*K/sub")) != NULL ||
                  (st = check_vector(api, in[5], "sub_offsets", N * per_sub, "N*K/sub")) != NULL))
     return st;
@@ -332,11 +344,11 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   if ((st = api->KernelContext_GetOutput(ctx, 0, dims, rank, &out)) != NULL) return st;
   if (M == 0) return NULL;
 
-  void *px, *pcodes, *pscales, *poffsets, *py, *psub_scales = NULL, *psub_offsets = NULL;
+  void *px, *pcodes, *pscales, *poffsets = NULL, *py, *psub_scales = NULL, *psub_offsets = NULL;
   if ((st = api->GetTensorMutableData((OrtValue *)in[0], &px)) != NULL ||
       (st = api->GetTensorMutableData((OrtValue *)in[1], &pcodes)) != NULL ||
       (st = api->GetTensorMutableData((OrtValue *)in[2], &pscales)) != NULL ||
-      (st = api->GetTensorMutableData((OrtValue *)in[3], &poffsets)) != NULL ||
+      (!k->rowwise && (st = api->GetTensorMutableData((OrtValue *)in[3], &poffsets)) != NULL) ||
       (st = api->GetTensorMutableData(out, &py)) != NULL)
     return st;
   if (k->sub && ((st = api->GetTensorMutableData((OrtValue *)in[4], &psub_scales)) != NULL ||
@@ -356,7 +368,8 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
                      (float *)scratch_part(&scratch, blocks * sizeof(float)),
                      (int32_t *)scratch_part(&scratch, blocks * sizeof(int32_t)), M, K,
                      halves ? (float *)scratch_part(&scratch, halves * sizeof(float)) : NULL,
-                     halves ? (int32_t *)scratch_part(&scratch, halves * sizeof(int32_t)) : NULL};
+                     halves ? (int32_t *)scratch_part(&scratch, halves * sizeof(int32_t)) : NULL,
+                     k->rowwise};
   float *act = acts ? (float *)scratch_part(&scratch, acts) : NULL;
   PrepareJob prepare = {(const float *)px, act, &rows, M * width / PREPARE_MIN_VALUES};
   if (prepare.tasks > k->cpus) prepare.tasks = k->cpus;
@@ -371,7 +384,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
 
   ColumnsJob job = {&rows, {(const uint8_t *)pcodes, pscales, poffsets, N, bits, k->half,
                             k->codebook ? blockq_iq4 : NULL, (const int8_t *)psub_scales,
-                            (const int8_t *)psub_offsets, k->sub},
+                            (const int8_t *)psub_offsets, k->sub, k->rowwise},
                     (float *)py, N / 16, 1};
   int64_t tile_macs = 16 * K * M;
   int64_t min_tiles = (MIN_TASK_MACS + tile_macs - 1) / tile_macs;
@@ -392,19 +405,20 @@ done:
 /* ---- the op's schema ---- */
 
 static const char *ORT_API_CALL op_name(const OrtCustomOp *op) {
-  return op == &g_op_half ? OP_NAME_HALF : op == &g_op_k ? OP_NAME_K : OP_NAME;
+  return op == &g_op_half ? OP_NAME_HALF : op == &g_op_k ? OP_NAME_K
+         : op == &g_op_row ? OP_NAME_ROW : OP_NAME;
 }
 static const char *ORT_API_CALL op_provider(const OrtCustomOp *op) {
   (void)op;
   return "CPUExecutionProvider";
 }
 static size_t ORT_API_CALL op_input_count(const OrtCustomOp *op) {
-  return op == &g_op_k ? 6 : 4;
+  return op == &g_op_k ? 6 : op == &g_op_row ? 3 : 4;
 }
 static ONNXTensorElementDataType ORT_API_CALL op_input_type(const OrtCustomOp *op, size_t i) {
   if (i == 1) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
   if (i > 3) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8;
-  if (i > 1 && op != &g_op) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  if (i > 1 && op != &g_op && op != &g_op_row) return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static size_t ORT_API_CALL op_output_count(const OrtCustomOp *op) {
@@ -445,11 +459,12 @@ static int ORT_API_CALL op_one(const OrtCustomOp *op) {
     .KernelComputeV2 = compute,                                                         \
   }
 /* CreateKernel / KernelCompute (pre-16 entry points), shape inference, opset range and the
-   aliasing hints are left NULL: the runtime skips them for this version. The three ops differ
+   aliasing hints are left NULL: the runtime skips them for this version. The four ops differ
    only in their tables (op_input_count, op_input_type, create_kernel). */
 static const OrtCustomOp g_op = BLOCKQ_OP;
 static const OrtCustomOp g_op_half = BLOCKQ_OP;
 static const OrtCustomOp g_op_k = BLOCKQ_OP;
+static const OrtCustomOp g_op_row = BLOCKQ_OP;
 
 /* ---- Attention ---- */
 
@@ -855,6 +870,7 @@ EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *opt
   if ((st = api->CustomOpDomain_Add(domain, &g_op)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_op_half)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_op_k)) != NULL) return st;
+  if ((st = api->CustomOpDomain_Add(domain, &g_op_row)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend_int8)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend_half)) != NULL) return st;
