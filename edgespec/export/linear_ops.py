@@ -12,9 +12,11 @@ construction: integer accumulation is exact and every scale belongs to one row o
 column.
 
 So the cpu profile's passes never have one row (export.exact_rows), and elsewhere 4-bit
-codes run in blocks of 16 (graph.invariant). `rowwise_int8` is the integer GEMM (MLAS
-QGEMM, uint8 x uint8: the uint8 x int8 kernel of AVX2 saturates its 16-bit pair sums,
-measured wrong by up to 9e6 on full-range codes).
+codes run in blocks of 16 (graph.invariant). `rowwise_int8` is the integer GEMM: edgespec's
+RowQMatMul where the kernel library takes the export's linears (AMX tiles for passes of 8
+rows or more where the CPU has them), else MLAS QGEMM (uint8 x uint8: the uint8 x int8
+kernel of AVX2 saturates its 16-bit pair sums, measured wrong by up to 9e6 on full-range
+codes).
 """
 
 from __future__ import annotations
