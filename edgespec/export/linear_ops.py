@@ -112,9 +112,10 @@ def gather_rowwise(g: GraphBuilder, weight: np.ndarray, ids: str, store: str) ->
     columns `ids` of its [K, N] codes (rows of its tiled ones), times their column scales."""
     codes, scale = weight_codes(g, weight, store)
     if on_kernel(g, weight):
-        units, _, _ = blockq_ops.lane_codes(g, codes, ids, np.shape(weight)[1], 8, store)
-        rows = g.node("Reshape", [units, g.const(f"rows.{np.shape(weight)[1]}", np.array(
-            [1, -1, np.shape(weight)[1]], np.int64))], [f"{store}.rows"], f"{store}.rows")[0]
+        k = np.shape(weight)[1]
+        units, _, _ = blockq_ops.lane_codes(g, codes, ids, k, 8, store)
+        rows = g.node("Reshape", [units, g.const(f"rows.{k}", np.array([1, -1, k], np.int64))],
+                      [f"{store}.rows"], f"{store}.rows")[0]
     else:
         cols = g.node("Gather", [codes, ids], [f"{store}.cols"], f"{store}.cols",
                       axis=1)[0]  # [K, 1, S]

@@ -595,12 +595,21 @@ AVX2 static void columns_avx2_row(const BlockqRows *x, const BlockqWeight *w, fl
         }
 }
 
+/* Row m's 16 outputs in tile t from its integer sums of u * a over all of K: less `zero`
+ * (128 times the row's code sum), then row_output's float step. */
+VNNI INLINE void row_outputs_512(const BlockqRows *x, const BlockqWeight *w, float *y,
+                                 __m512i sums, __m512i zero, int64_t t, int64_t m) {
+    const __m512 s = _mm512_loadu_ps((const float *)w->scales + t * LANES);
+    _mm512_storeu_ps(y + m * w->N + t * LANES, _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, zero)), _mm512_mul_ps(s, _mm512_set1_ps(x->d[m]))));
+}
+
 /* AVX-512 VNNI, row-wise: rows m0 .. m0+R-1 of T adjacent tiles, vpdpbusd's sums of u * a
- * over all of K, less 128 times the row's code sum, then one float step an output. */
+ * over all of K, then row_outputs_512. */
 VNNI INLINE void tile_rows_vnni_row(const BlockqRows *x, const BlockqWeight *wt, float *y,
                                     int64_t t, int64_t m0, const int T, const int R,
                                     const Ahead *ahead) {
-    const int64_t N = wt->N, nb = x->K / 32, block_bytes = GROUPS * 4 * LANES;
+    const int64_t nb = x->K / 32, block_bytes = GROUPS * 4 * LANES;
     __m512i dot[2][MAX_ROWS];
     for (int i = 0; i < T; ++i)
         for (int r = 0; r < R; ++r) dot[i][r] = _mm512_setzero_si512();
@@ -621,12 +630,7 @@ VNNI INLINE void tile_rows_vnni_row(const BlockqRows *x, const BlockqWeight *wt,
     }
     for (int r = 0; r < R; ++r) {
         const __m512i zero = _mm512_set1_epi32(128 * row_isum(x, m0 + r));
-        const __m512 d = _mm512_set1_ps(x->d[m0 + r]);
-        for (int i = 0; i < T; ++i) {
-            const __m512 s = _mm512_loadu_ps((const float *)wt->scales + (t + i) * LANES);
-            _mm512_storeu_ps(y + (m0 + r) * N + (t + i) * LANES, _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_sub_epi32(dot[i][r], zero)), _mm512_mul_ps(s, d)));
-        }
+        for (int i = 0; i < T; ++i) row_outputs_512(x, wt, y, dot[i][r], zero, t + i, m0 + r);
     }
 }
 
@@ -685,16 +689,12 @@ static void amx_configure(void) {
             }
 }
 
-/* The float step of a C tile's sums (R rows of 16 lanes) into y, as columns_vnni_row's. */
+/* The outputs of a C tile's sums (R rows of 16 lanes) stored at `sums`. */
 VNNI INLINE void amx_outputs(const BlockqRows *x, const BlockqWeight *w, float *y,
                              const int32_t *sums, int64_t t, int64_t m0, int R) {
-    const __m512 s = _mm512_loadu_ps((const float *)w->scales + t * LANES);
-    for (int r = 0; r < R; ++r) {
-        const __m512i exact = _mm512_sub_epi32(_mm512_load_si512((const void *)(sums + r * LANES)),
-                                               _mm512_set1_epi32(128 * row_isum(x, m0 + r)));
-        _mm512_storeu_ps(y + (m0 + r) * w->N + t * LANES, _mm512_mul_ps(
-            _mm512_cvtepi32_ps(exact), _mm512_mul_ps(s, _mm512_set1_ps(x->d[m0 + r]))));
-    }
+    for (int r = 0; r < R; ++r)
+        row_outputs_512(x, w, y, _mm512_load_si512((const void *)(sums + r * LANES)),
+                        _mm512_set1_epi32(128 * row_isum(x, m0 + r)), t, m0 + r);
 }
 
 /* AMX, row-wise: each block of a tile pair is one tile product (tdpbsud: int8 activations
@@ -775,8 +775,6 @@ AVX2 static void columns_avx2(const BlockqRows *x, const BlockqWeight *w, float 
     }
 }
 
-/* The portable quantizer's results with vector instructions: max, multiply, clamp and
- * round to nearest even are exact, so every path gives the same codes. */
 /* peak_portable's value on 16 lanes (n % 32 == 0). */
 VNNI static float peak_512(const float *x, int64_t n) {
     __m512 peak = _mm512_setzero_ps();
@@ -784,6 +782,8 @@ VNNI static float peak_512(const float *x, int64_t n) {
     return _mm512_reduce_max_ps(peak);
 }
 
+/* The portable quantizer's results with vector instructions: max, multiply, clamp and
+ * round to nearest even are exact, so every path gives the same codes. */
 VNNI static void quantize_vnni(const float *x, BlockqRows *rows, int64_t m0, int64_t m1) {
     const int64_t K = rows->K, nb = K / 32;
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
