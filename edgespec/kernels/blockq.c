@@ -41,8 +41,8 @@ static float to_codes(float peak, float *d) {
     return *d != 0.0f ? 1.0f / *d : 0.0f;
 }
 
-/* A block's d and sums; `first`: the sum of its first 16 codes (the halves' sums where the
- * rows keep them). */
+/* A block's d and sums at `at`; `first`: the sum of its first 16 codes (the halves' sums
+ * where the rows keep them). */
 static void store_block(BlockqRows *rows, int64_t at, float d, int32_t sum, int32_t first) {
     rows->d[at] = d;
     rows->sum[at] = d * (float)sum;
@@ -54,6 +54,21 @@ static void store_block(BlockqRows *rows, int64_t at, float d, int32_t sum, int3
             rows->sum16[2 * at + j] = d * (float)halves[j];
         }
     }
+}
+
+/* Block b of row m quantized: its sums stored, or for row-wise rows added to the row's
+ * `total` (stored once by store_row: a row-wise kernel needs the row's, not a block's). */
+static inline void store_sums(BlockqRows *rows, int64_t m, int64_t b, float d, int32_t sum,
+                              int32_t first, int32_t *total) {
+    if (rows->rowwise)
+        *total += sum;
+    else
+        store_block(rows, b * rows->M + m, d, sum, first);
+}
+
+/* A row-wise row's d and code sum, at m (blockq.h). */
+static inline void store_row(BlockqRows *rows, int64_t m, float d, int32_t total) {
+    if (rows->rowwise) store_block(rows, m, d, total, 0);
 }
 
 /* The largest |x[i]| of n values (exact, so every path's is the same). */
@@ -71,6 +86,7 @@ static void quantize_portable(const float *x, BlockqRows *rows, int64_t m0, int6
     const int64_t K = rows->K, nb = K / 32;
     for (int64_t m = m0; m < m1; ++m) {
         float row_d = 0.0f;
+        int32_t total = 0;
         const float row_inv = rows->rowwise ? to_codes(peak_portable(x + m * K, K), &row_d) : 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
@@ -83,8 +99,9 @@ static void quantize_portable(const float *x, BlockqRows *rows, int64_t m0, int6
                 sum += q[i];
                 if (i == 15) first = sum;
             }
-            store_block(rows, b * rows->M + m, d, sum, first);
+            store_sums(rows, m, b, d, sum, first, &total);
         }
+        store_row(rows, m, row_d, total);
     }
 }
 
@@ -175,13 +192,6 @@ static void columns_portable(const BlockqRows *x, const BlockqWeight *w, float *
             }
         }
     }
-}
-
-/* A row's integer code sum over all of K (its blocks' isum). */
-static int32_t row_isum(const BlockqRows *x, int64_t m) {
-    int32_t sum = 0;
-    for (int64_t b = 0; b < x->K / 32; ++b) sum += x->isum[b * x->M + m];
-    return sum;
 }
 
 /* Row-wise: output n of row m is float(I) * (scale[n] * d[m]) (blockq.h). */
@@ -629,7 +639,7 @@ VNNI INLINE void tile_rows_vnni_row(const BlockqRows *x, const BlockqWeight *wt,
         }
     }
     for (int r = 0; r < R; ++r) {
-        const __m512i zero = _mm512_set1_epi32(128 * row_isum(x, m0 + r));
+        const __m512i zero = _mm512_set1_epi32(128 * x->isum[m0 + r]);
         for (int i = 0; i < T; ++i) row_outputs_512(x, wt, y, dot[i][r], zero, t + i, m0 + r);
     }
 }
@@ -694,7 +704,7 @@ VNNI INLINE void amx_outputs(const BlockqRows *x, const BlockqWeight *w, float *
                              const int32_t *sums, int64_t t, int64_t m0, int R) {
     for (int r = 0; r < R; ++r)
         row_outputs_512(x, w, y, _mm512_load_si512((const void *)(sums + r * LANES)),
-                        _mm512_set1_epi32(128 * row_isum(x, m0 + r)), t, m0 + r);
+                        _mm512_set1_epi32(128 * x->isum[m0 + r]), t, m0 + r);
 }
 
 /* AMX, row-wise: each block of a tile pair is one tile product (tdpbsud: int8 activations
@@ -789,6 +799,7 @@ VNNI static void quantize_vnni(const float *x, BlockqRows *rows, int64_t m0, int
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     for (int64_t m = m0; m < m1; ++m) {
         float row_d = 0.0f;
+        int32_t total = 0;
         const float row_inv = rows->rowwise ? to_codes(peak_512(x + m * K, K), &row_d) : 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
@@ -804,8 +815,9 @@ VNNI static void quantize_vnni(const float *x, BlockqRows *rows, int64_t m0, int
                                  _mm512_cvtepi32_epi8(c));
                 sums[i] = _mm512_reduce_add_epi32(c);
             }
-            store_block(rows, b * rows->M + m, d, sums[0] + sums[1], sums[0]);
+            store_sums(rows, m, b, d, sums[0] + sums[1], sums[0], &total);
         }
+        store_row(rows, m, row_d, total);
     }
 }
 
@@ -835,6 +847,7 @@ AVX2 static void quantize_avx2(const float *x, BlockqRows *rows, int64_t m0, int
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t m = m0; m < m1; ++m) {
         float row_d = 0.0f;
+        int32_t total = 0;
         const float row_inv = rows->rowwise ? to_codes(peak_256(x + m * K, K), &row_d) : 0.0f;
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
@@ -854,9 +867,10 @@ AVX2 static void quantize_avx2(const float *x, BlockqRows *rows, int64_t m0, int
             _mm256_storeu_si256((__m256i *)(rows->q + codes_at(rows, m, b)),
                                 _mm256_permutevar8x32_epi32(bytes, order));
             const int32_t first = hsum_avx2(_mm256_add_epi32(c[0], c[1]));
-            store_block(rows, b * rows->M + m, d, first + hsum_avx2(_mm256_add_epi32(c[2], c[3])),
-                        first);
+            store_sums(rows, m, b, d, first + hsum_avx2(_mm256_add_epi32(c[2], c[3])), first,
+                       &total);
         }
+        store_row(rows, m, row_d, total);
     }
 }
 
