@@ -397,8 +397,8 @@ def row_product(u: np.ndarray, s: np.ndarray, x: np.ndarray) -> np.ndarray:
 def test_row_product_is_numpys_bit_for_bit_on_every_path(k):
     """The row-wise op against row_product exactly, on every kernel path this CPU has
     (AMX tiles for passes of 8 rows or more where it has them, taking pairs of blocks
-    where K allows, K = 1536, else one: K = 96), for 1 to 40 rows, one or two threads, a
-    zero row and codes at both ends (1 and 255)."""
+    where K allows, K = 1536, else one: K = 96; two row groups from 17 rows), for 1 to 40
+    rows, one or two threads, a zero row and codes at both ends (1 and 255)."""
     rng = np.random.default_rng(11)
     u = rng.integers(1, 256, (80, k), dtype=np.uint8)
     u[:, :32] = 1
@@ -411,7 +411,7 @@ def test_row_product_is_numpys_bit_for_bit_on_every_path(k):
     for _, path in every_path():
         for threads in (1, 2):
             run = row_session(u, s, threads)
-            for rows in (1, 2, 5, 8, 16, 17, 40):
+            for rows in (1, 2, 5, 8, 16, 17, 23, 33, 40):
                 got = run.run(None, {"x": x[:, :rows]})[0][0]
                 assert np.array_equal(got, want[:rows]), (path, threads, rows)
 
