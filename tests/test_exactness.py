@@ -128,7 +128,11 @@ def smollm2(root, precision: str, kv: str = "float", block: int = 32,
 def test_smollm2_chains_are_bitwise(smollm2_dir, precision, kv, block, quant):
     bundle = smollm2(smollm2_dir, precision, kv, block, quant=quant)
     if quant == "rot" and kernels.for_export():  # the row-wise op (AMX's tiles where here)
-        assert len(nodes(bundle, "RowQMatMul")) == 4 * 30 + 1  # qkv, o, gate_up, down; head
+        rows = nodes(bundle, "RowQMatMul")
+        assert len(rows) == 4 * 30 + 1  # qkv, o, gate_up, down; head
+        # down takes silu(gate) · up and its input's block Hadamard itself (no Split, MatMul)
+        assert [attr(n, "hadamard") for n in rows if n.name.endswith(".down")] == [128] * 30
+        assert not nodes(bundle, "Split") and not nodes(bundle, "QuickGelu")
     assert_exact(bundle)
 
 

@@ -428,13 +428,66 @@ def test_row_product_is_the_float_product_within_int8_error():
     assert np.abs(got - exact).max() < 0.01 * np.abs(exact).max()
 
 
-def row_graph(u: np.ndarray, scales: np.ndarray) -> helper.GraphProto:
+def fwht(x: np.ndarray, b: int) -> np.ndarray:
+    """numpy's blockq_hadamard: each block of b values through the butterflies (a, b) ->
+    (a + b, a - b) of stage h = 1, 2, .., b/2 in turn, in float32."""
+    y = x.astype(np.float32).reshape(*x.shape[:-1], -1, b).copy()
+    h = 1
+    while h < b:
+        pairs = y.reshape(*y.shape[:-1], b // (2 * h), 2, h)
+        low, high = pairs[..., 0, :].copy(), pairs[..., 1, :].copy()
+        pairs[..., 0, :], pairs[..., 1, :] = low + high, low - high
+        h *= 2
+    return y.reshape(x.shape)
+
+
+@pytest.mark.parametrize("b", [2, 8, 16, 128])
+def test_hadamard_is_the_butterflies_and_sylvesters_matrix_on_every_path(b):
+    """blockq_hadamard against numpy's butterflies bit for bit on every path, and against
+    Sylvester's matrix times sqrt(b) (export/rotation.py's, which the graph had multiplied
+    by) within float32 rounding."""
+    from edgespec.export.rotation import hadamard
+    x = np.random.default_rng(14).standard_normal((3, 256)).astype(np.float32)
+    want = fwht(x, b)
+    exact = (x.astype(np.float64).reshape(3, -1, b) @ hadamard(b) * np.sqrt(b)).reshape(3, -1)
+    assert np.abs(want - exact).max() < 1e-5 * np.abs(exact).max()
+    for lib, path in every_path():
+        got = x.copy()
+        lib.blockq_hadamard(ctypes.c_void_p(got.ctypes.data), ctypes.c_int64(3),
+                            ctypes.c_int64(256), ctypes.c_int64(b))
+        assert np.array_equal(got, want), path
+
+
+def test_row_product_of_a_rotated_gated_input_is_numpys_bit_for_bit_on_every_path():
+    """RowQMatMul with gated and hadamard (a rotated down projection on its MLP's gate-up
+    output): silu(gate) · up (the library's own, checked above against numpy), the block
+    Hadamard (fwht), then row_product, exactly, on every path, 1 to 33 rows."""
+    rng = np.random.default_rng(15)
+    k, b = 384, 128
+    u = rng.integers(1, 256, (48, k), dtype=np.uint8)
+    s = (rng.random(48) * 0.01 + 1e-4).astype(np.float32)
+    x = (rng.standard_normal((1, 33, 2 * k)) * 3).astype(np.float32)
+    act = np.zeros((33, k), np.float32)
+    lib = ctypes.CDLL(str(kernels.library()))
+    lib.blockq_silu_mul(ctypes.c_void_p(x.ctypes.data), ctypes.c_int64(33), ctypes.c_int64(k),
+                        ctypes.c_void_p(act.ctypes.data))
+    want = row_product(u, s, fwht(act, b))
+    for _, path in every_path():
+        run = kernels.op_session(row_graph(u, s, gated=True, hadamard=b), 2)
+        for rows in (1, 5, 17, 33):
+            got = run.run(None, {"x": x[:, :rows]})[0][0]
+            assert np.array_equal(got, want[:rows]), (path, rows)
+
+
+def row_graph(u: np.ndarray, scales: np.ndarray, gated: bool = False,
+              hadamard: int = 0) -> helper.GraphProto:
     consts = [helper.make_tensor("codes", TensorProto.UINT8, [u.size],
                                  tiled_codes(u, 8).tobytes(), raw=True),
               helper.make_tensor("scales", TensorProto.FLOAT, [scales.size], scales.tobytes(),
                                  raw=True)]
     node = helper.make_node("RowQMatMul", ["x", "codes", "scales"], ["y"],
-                            domain=kernels.DOMAIN, K=u.shape[1], N=u.shape[0])
+                            domain=kernels.DOMAIN, K=u.shape[1], N=u.shape[0],
+                            gated=int(gated), hadamard=hadamard)
     return helper.make_graph([node], "g", [helper.make_tensor_value_info(
         "x", TensorProto.FLOAT, [1, "S", "W"])], [helper.make_tensor_value_info(
             "y", TensorProto.FLOAT, [1, "S", u.shape[0]])], initializer=consts)
@@ -452,4 +505,7 @@ def test_row_op_refuses_bad_inputs_with_the_reason():
                                                                           np.float32)})
     with pytest.raises(Exception, match="scales has 16 elements, expected N = 32"):
         kernels.op_session(row_graph(u, np.ones(16, np.float32)), 2).run(
+            None, {"x": np.zeros((1, 2, 64), np.float32)})
+    with pytest.raises(Exception, match="hadamard must be 0, or on RowQMatMul a power of two"):
+        kernels.op_session(row_graph(u, np.ones(32, np.float32), hadamard=48), 2).run(
             None, {"x": np.zeros((1, 2, 64), np.float32)})

@@ -181,11 +181,15 @@ class GraphBuilder:
     def on_own_kernel(self, q: QuantizedWeight) -> bool:
         return self.own_kernel and blockq_ops.fits(q)
 
-    def gated_down(self, gate_up: str, weight: Weight, name: str) -> str | None:
+    def gated_down(self, gate_up: str, weight: Weight, name: str,
+                   rotation: np.ndarray | None = None) -> str | None:
         """A gated MLP's down projection on the own kernel straight from the fused gate-up
         output: it takes silu(gate) * up as it reads its input (three nodes fewer a
-        layer). None where `linear` would not put this weight on the kernel."""
-        if self.rowwise or self.nested:
+        layer), and on a rotated export the `rotation` of its input too. None where
+        `linear` would not put this weight on the kernel."""
+        if self.rowwise and rotation is not None:
+            return linear_ops.gated_rotated(self, gate_up, weight, rotation, name)
+        if self.rowwise or self.nested or rotation is not None:
             return None
         q = weight if isinstance(weight, QuantizedWeight) else self._quantize(weight)
         if q is None or not self.on_own_kernel(q):
@@ -882,8 +886,9 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                                 domain=MS, epsilon=eps)
         gate_up = g.linear_parts(h, lw.gate_up, f"{p}.gate_up")
         delta = None
-        if len(gate_up) == 1 and spec.activation == "silu" and rotation is None:
-            delta = g.gated_down(gate_up[0], lw.down, f"{p}.down")
+        if len(gate_up) == 1 and spec.activation == "silu":
+            delta = g.gated_down(gate_up[0], lw.down, f"{p}.down",
+                                 None if rotation is None else rotation.down_block)
         if delta is None:
             gate, up = gate_up if len(gate_up) == 2 else g.node(
                 "Split", gate_up, [f"{p}.gate", f"{p}.up"], f"{p}.split", axis=-1,

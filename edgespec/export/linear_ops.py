@@ -66,12 +66,15 @@ def on_kernel(g: GraphBuilder, weight: np.ndarray) -> bool:
     return g.own_kernel and k % blockq_ops.BLOCK == 0 and n % blockq_ops.LANES == 0
 
 
-def weight_codes(g: GraphBuilder, weight: np.ndarray, store: str) -> tuple[str, str]:
+def weight_codes(g: GraphBuilder, weight: np.ndarray, store: str,
+                 unit: float = 1.0) -> tuple[str, str]:
     """The constants of a weight's int8 codes (uint8, q + 128) and column scales, made once
     per `store` (a tied head and the embedding share them): GPTQ's codes where calibration
     measured the weight's input (`g.hessians`, by node name), else round-to-nearest. For
     MatMulIntegerToFloat codes [K, N] and scale / 127 (it takes each row's peak); on
-    edgespec's kernel (op RowQMatMul) its tiled codes and the scales themselves."""
+    edgespec's kernel (op RowQMatMul) its tiled codes and the scales themselves, times
+    `unit` (what the op's input is short of: 1/√B where it takes an unnormalized
+    Hadamard)."""
     def make() -> str:
         hessian = g.hessians.get(store)
         if hessian is None or hessian.ndim == 1:  # no XᵀX measured (calibrate's budget)
@@ -82,7 +85,7 @@ def weight_codes(g: GraphBuilder, weight: np.ndarray, store: str) -> tuple[str, 
             q, scale = gptq_int8(np.asarray(weight, np.float32), hessian)
             codes = np.ascontiguousarray((q.astype(np.int16) + 128).astype(np.uint8).T)
         if on_kernel(g, weight):
-            g.fconst(f"{store}.colscale", scale)
+            g.fconst(f"{store}.colscale", scale * unit)
             return g.const(f"{store}.rowtiles", blockq_ops.tiled_codes(codes.T, 8))
         g.fconst(f"{store}.colscale", scale / 127.0)
         return g.const(f"{store}.rowcodes", codes)
@@ -98,13 +101,35 @@ def rowwise_int8(g: GraphBuilder, x: str, weight: np.ndarray, name: str,
     itself, and runs a pass of several on AMX's tiles where the CPU has them)."""
     codes, scale = weight_codes(g, weight, store or name)
     if on_kernel(g, weight):
-        n, k = np.shape(weight)
-        return g.node("RowQMatMul", [x, codes, scale], [f"{name}.out"], name, domain=DOMAIN,
-                      K=k, N=n)[0]
+        return _row_op(g, x, codes, scale, weight, name)
     xq, peak = row_scale(g, x, name)
     zp = g.const("linear.zp", np.array(128, np.uint8))
     return g.node("MatMulIntegerToFloat", [xq, codes, peak, scale, zp, zp],
                   [f"{name}.out"], name, domain=MS)[0]
+
+
+def gated_rotated(g: GraphBuilder, gate_up: str, weight: np.ndarray, block: np.ndarray,
+                  name: str) -> str | None:
+    """A rotated export's down projection straight from its MLP's fused gate-up output: one
+    RowQMatMul that takes silu(gate) · up and the block Hadamard of down_proj's input
+    (`block`: Sylvester's H_B, rotation.down_block) itself, where the graph had six nodes
+    more (Split, the activation, its Mul, two Reshapes and the rotation's MatMul). The op's
+    transform is unnormalized, so the column scales take the 1/√B. None off the kernel (or
+    for a block the op does not compute)."""
+    from edgespec.export.rotation import hadamard
+
+    b = block.shape[0]
+    if not on_kernel(g, weight) or not np.array_equal(block, hadamard(b)):
+        return None
+    codes, scale = weight_codes(g, weight, name, unit=1 / np.sqrt(b))
+    return _row_op(g, gate_up, codes, scale, weight, name, gated=1, hadamard=b)
+
+
+def _row_op(g: GraphBuilder, x: str, codes: str, scale: str, weight: np.ndarray, name: str,
+            **attributes: int) -> str:
+    n, k = np.shape(weight)
+    return g.node("RowQMatMul", [x, codes, scale], [f"{name}.out"], name, domain=DOMAIN,
+                  K=k, N=n, **attributes)[0]
 
 
 def gather_rowwise(g: GraphBuilder, weight: np.ndarray, ids: str, store: str) -> str:

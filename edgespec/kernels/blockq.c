@@ -113,6 +113,21 @@ static void silu_mul_portable(const float *x, int64_t M, int64_t K, float *out) 
         }
 }
 
+/* blockq_hadamard: stages h = 1, 2, .., B/2 of each block, each butterfly in place. */
+static void hadamard_portable(float *x, int64_t M, int64_t K, int64_t B) {
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t c = 0; c < K; c += B) {
+            float *v = x + m * K + c;
+            for (int64_t h = 1; h < B; h *= 2)
+                for (int64_t j = 0; j < B; j += 2 * h)
+                    for (int64_t i = j; i < j + h; ++i) {
+                        const float a = v[i], b = v[i + h];
+                        v[i] = a + b;
+                        v[i + h] = a - b;
+                    }
+        }
+}
+
 const uint8_t blockq_iq4[16] = {1,   24,  45,  63,  79,  93,  106, 118,
                                  129, 141, 153, 166, 181, 197, 217, 241};
 
@@ -894,6 +909,37 @@ EXP_SIMD(256, AVX2)
 SILU_MUL_SIMD(512, VNNI)
 SILU_MUL_SIMD(256, AVX2)
 
+/* hadamard_portable's butterflies on 16 lanes: the stages within a vector (h < 16) first,
+ * as a permute (lane l's partner l ^ h) and a masked subtract (lanes whose bit h is set
+ * take partner - own, that is a - b), then the stages across vectors, a whole vector a
+ * side; each stage's butterflies are independent, so this is the portable order's result. */
+VNNI static void hadamard_512(float *x, int64_t M, int64_t K, int64_t B) {
+    static const __mmask16 upper[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+    __m512i partner[4];
+    for (int s = 0; s < 4; ++s)
+        partner[s] = _mm512_xor_si512(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                         12, 13, 14, 15),
+                                      _mm512_set1_epi32(1 << s));
+    for (int64_t m = 0; m < M; ++m) {
+        float *row = x + m * K;
+        for (int64_t i = 0; i < K; i += LANES) {
+            __m512 v = _mm512_loadu_ps(row + i);
+            for (int s = 0; (1 << s) < B && s < 4; ++s) {
+                const __m512 p = _mm512_permutexvar_ps(partner[s], v);
+                v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), upper[s], p, v);
+            }
+            _mm512_storeu_ps(row + i, v);
+        }
+        for (int64_t h = LANES; h < B; h *= 2)
+            for (int64_t c = 0; c < K; c += 2 * h)
+                for (int64_t i = c; i < c + h; i += LANES) {
+                    const __m512 a = _mm512_loadu_ps(row + i), b = _mm512_loadu_ps(row + i + h);
+                    _mm512_storeu_ps(row + i, _mm512_add_ps(a, b));
+                    _mm512_storeu_ps(row + i + h, _mm512_sub_ps(a, b));
+                }
+    }
+}
+
 #ifdef EDGESPEC_AMX
 /* AMX's int8 tiles, where the CPU has them (CPUID leaf 7: AMX-TILE, AMX-INT8) and Linux
  * grants this process their state (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
@@ -951,6 +997,16 @@ void blockq_quantize_range(const float *x, BlockqRows *rows, int64_t m0, int64_t
 
 void blockq_quantize_rows(const float *x, BlockqRows *rows) {
     blockq_quantize_range(x, rows, 0, rows->M);
+}
+
+void blockq_hadamard(float *x, int64_t M, int64_t K, int64_t B) {
+#ifdef EDGESPEC_X86
+    if (blockq_path() >= 2) {
+        hadamard_512(x, M, K, B);
+        return;
+    }
+#endif
+    hadamard_portable(x, M, K, B);
 }
 
 void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out) {

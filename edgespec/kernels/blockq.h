@@ -77,6 +77,14 @@ void blockq_quantize_range(const float *x, BlockqRows *rows, int64_t m0, int64_t
  * every path, so the result is bitwise the same on each. */
 void blockq_silu_mul(const float *x, int64_t M, int64_t K, float *out);
 
+/* In place, each block of B values of each row of x [M, K] times Sylvester's Hadamard
+ * matrix unnormalized (B a power of two dividing K, K % 16 == 0): the fast Walsh-Hadamard
+ * transform, stages h = 1, 2, .., B/2 in turn, each butterfly (a, b) -> (a + b, a - b) of
+ * the values at j and j + h (j's bit h clear). Every path runs these very additions, so
+ * its results are bitwise the same, and a row's depend on that row alone: RowQMatMul's
+ * `hadamard`, a rotated export's down projection taking its input's rotation itself. */
+void blockq_hadamard(float *x, int64_t M, int64_t K, int64_t B);
+
 /* A weight [N, K] in the layout above: codes (bits 4, 5, 6 or 8), and per block scales and
  * offsets, float or (half != 0) IEEE half, where every value is one exactly (half the bytes to read). With
  * `book` (4-bit codes only), a code is an index and the weight's code is book[index]: the

@@ -12,6 +12,10 @@
  *   halves, and the product is taken of silu(gate) * up (blockq_silu_mul).
  * Optional attribute codebook (int64, 0 by default; bits 4 only): 1, the 4-bit codes index
  *   GGUF's IQ4 grid (blockq_iq4), whose values are the weight codes.
+ * RowQMatMul(X, codes, scales) -> Y, attributes K, N: row-wise int8 (blockq.h), codes as
+ *   bits 8, scales float 1-D (N); optional gated as above, and hadamard (int64, 0 by
+ *   default): B, a power of two dividing K, the input's blocks of B taken through
+ *   blockq_hadamard before they are quantized (a rotated down projection's input).
  * BlockQMatMulK(X, codes, scales, offsets, sub_scales, sub_offsets): K-quant tables
  *   (blockq.h), attribute sub (16 or 32, the inputs per sub-block; K % 256 == 0): scales and
  *   offsets float16 (N*K/256), sub_scales and sub_offsets int8 (N*K/sub); no codebook with
@@ -58,7 +62,7 @@
 
 typedef struct {
   const OrtApi *api; /* the table the runtime handed to create_kernel */
-  int64_t K, N, bits, gated, codebook;
+  int64_t K, N, bits, gated, codebook, hadamard;
   int64_t cpus;
   int half;    /* scales and offsets in IEEE half (OP_NAME_HALF, OP_NAME_K) */
   int64_t sub; /* OP_NAME_K's sub-block size, else 0 */
@@ -127,6 +131,7 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
     return st;
   const int64_t gated = optional_attr(api, info, "gated");
   const int64_t codebook = optional_attr(api, info, "codebook");
+  const int64_t hadamard = optional_attr(api, info, "hadamard");
   if (K <= 0 || K % 32 != 0)
     return op_error(api, ORT_INVALID_ARGUMENT, "K must be a positive multiple of 32, got %lld",
                     (long long)K);
@@ -136,8 +141,12 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   if (bits != 4 && bits != 5 && bits != 6 && bits != 8)
     return op_error(api, ORT_INVALID_ARGUMENT, "bits must be 4, 5, 6 or 8, got %lld",
                     (long long)bits);
-  if (op == &g_op_row && (gated != 0 || codebook != 0))
-    return op_error(api, ORT_INVALID_ARGUMENT, "RowQMatMul takes neither gated nor codebook");
+  if (op == &g_op_row && codebook != 0)
+    return op_error(api, ORT_INVALID_ARGUMENT, "RowQMatMul takes no codebook");
+  if (hadamard != 0 && (op != &g_op_row || hadamard < 2 || (hadamard & (hadamard - 1)) != 0 ||
+                        K % hadamard != 0))
+    return op_error(api, ORT_INVALID_ARGUMENT, "hadamard must be 0, or on RowQMatMul a power "
+                    "of two from 2 dividing K = %lld, got %lld", (long long)K, (long long)hadamard);
   if (codebook != 0 && (codebook != 1 || bits != 4))
     return op_error(api, ORT_INVALID_ARGUMENT, "codebook must be 0, or 1 with bits 4, got %lld",
                     (long long)codebook);
@@ -163,6 +172,7 @@ static OrtStatus *ORT_API_CALL create_kernel(const OrtCustomOp *op, const OrtApi
   k->bits = bits;
   k->gated = gated != 0;
   k->codebook = codebook;
+  k->hadamard = hadamard;
   k->cpus = online_cpus();
   k->half = op == &g_op_half || op == &g_op_k;
   k->sub = sub;
@@ -261,9 +271,9 @@ static OrtStatus *check_vector(const OrtApi *api, const OrtValue *v, const char 
 
 typedef struct {
   const float *x; /* X: [M, K], or [M, 2K] when gated (silu(gate) * up into act first) */
-  float *act;
+  float *act;     /* where X is taken first (gated, hadamard), else NULL */
   BlockqRows *rows;
-  int64_t tasks;
+  int64_t tasks, gated, hadamard;
 } PrepareJob;
 
 static void prepare_task(void *user_data, size_t i) {
@@ -272,7 +282,12 @@ static void prepare_task(void *user_data, size_t i) {
   const int64_t m0 = M * (int64_t)i / j->tasks, m1 = M * ((int64_t)i + 1) / j->tasks;
   const float *x = j->x;
   if (j->act != NULL) {
-    blockq_silu_mul(x + m0 * 2 * K, m1 - m0, K, j->act + m0 * K);
+    float *act = j->act + m0 * K;
+    if (j->gated)
+      blockq_silu_mul(x + m0 * 2 * K, m1 - m0, K, act);
+    else
+      memcpy(act, x + m0 * K, (size_t)((m1 - m0) * K) * sizeof(float));
+    if (j->hadamard) blockq_hadamard(act, m1 - m0, K, j->hadamard);
     x = j->act;
   }
   blockq_quantize_range(x, j->rows, m0, m1);
@@ -355,9 +370,9 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
                  (st = api->GetTensorMutableData((OrtValue *)in[5], &psub_offsets)) != NULL))
     return st;
 
-  /* sub 16 keeps each half block's sums too; a gated product its activation */
+  /* sub 16 keeps each half block's sums too; a gated or hadamard product its input */
   const size_t blocks = (size_t)(M * nb), halves = k->sub == 16 ? 2 * blocks : 0;
-  const size_t acts = k->gated ? (size_t)(M * K) * sizeof(float) : 0;
+  const size_t acts = k->gated || k->hadamard ? (size_t)(M * K) * sizeof(float) : 0;
   Scratch scratch;
   if (!scratch_open(&scratch, scratch_size((size_t)(M * K)) + 3 * scratch_size(blocks * 4) +
                                   2 * scratch_size(halves * 4) + scratch_size(acts)))
@@ -371,7 +386,8 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
                      halves ? (int32_t *)scratch_part(&scratch, halves * sizeof(int32_t)) : NULL,
                      k->rowwise};
   float *act = acts ? (float *)scratch_part(&scratch, acts) : NULL;
-  PrepareJob prepare = {(const float *)px, act, &rows, M * width / PREPARE_MIN_VALUES};
+  PrepareJob prepare = {(const float *)px, act, &rows, M * width / PREPARE_MIN_VALUES, k->gated,
+                        k->hadamard};
   if (prepare.tasks > k->cpus) prepare.tasks = k->cpus;
   if (prepare.tasks > M) prepare.tasks = M;
   if (prepare.tasks <= 1) {
