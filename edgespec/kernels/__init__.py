@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 HERE = Path(__file__).parent
 DOMAIN = "edgespec"  # the ops' ONNX domain
-LAYOUT = 9  # blockq.h's layout and ops: cached exports are made anew when it changes
+LAYOUT = 10  # blockq.h's layout and ops: cached exports are made anew when it changes
 # model metadata of graphs on the attention op: a tree pass's rows are bitwise chain rows
 EXACT_TREES = "edgespec.exact_trees"
 

@@ -40,10 +40,11 @@
 #include <stdint.h>
 
 /* The version of the weight layout below and of the library's ops (5: AttentionHalf,
- * 6: BlockQMatMul's codebook, 7: BlockQMatMulK, 8: 5- and 6-bit codes, 9: RowQMatMul);
+ * 6: BlockQMatMul's codebook, 7: BlockQMatMulK, 8: 5- and 6-bit codes, 9: RowQMatMul,
+ * 10: RowQMatMul's gated and hadamard, SkipRMSNorm);
  * edgespec/kernels/__init__.py's LAYOUT must match, so a library built from other sources
  * is never used on this package's bundles. */
-#define BLOCKQ_LAYOUT 9
+#define BLOCKQ_LAYOUT 10
 int blockq_layout(void);
 
 /* Activations [M, K] quantized per row and block of 32 (blockq_quantize_rows): int8 codes

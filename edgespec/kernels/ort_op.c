@@ -20,6 +20,8 @@
  *   (blockq.h), attribute sub (16 or 32, the inputs per sub-block; K % 256 == 0): scales and
  *   offsets float16 (N*K/256), sub_scales and sub_offsets int8 (N*K/sub); no codebook with
  *   sub 16.
+ * SkipRMSNorm(X, skip, gamma) -> (Y, sum), attribute epsilon (float): norm.h's residual add
+ *   and RMS norm, X and skip [..., K] (K % 16 == 0), gamma [K]; Y and sum X's shape.
  * X is quantized once per call (blockq_quantize_range, its rows split among threads when
  * there are enough), then the N/16 column tiles are split into contiguous ranges run on
  * ONNX Runtime's intra-op thread pool (blockq_columns).
@@ -31,6 +33,7 @@
 
 #include "attend.h"
 #include "blockq.h"
+#include "norm.h"
 #include "ort_abi.h"
 
 #ifdef _WIN32
@@ -441,7 +444,7 @@ static size_t ORT_API_CALL op_output_count(const OrtCustomOp *op) {
   (void)op;
   return 1;
 }
-static ONNXTensorElementDataType ORT_API_CALL op_output_type(const OrtCustomOp *op, size_t i) {
+static ONNXTensorElementDataType ORT_API_CALL float_type(const OrtCustomOp *op, size_t i) {
   (void)op;
   (void)i;
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
@@ -466,7 +469,7 @@ static int ORT_API_CALL op_one(const OrtCustomOp *op) {
   {                                                                                     \
     .version = EDGESPEC_ORT_API_VERSION, .GetName = op_name,                            \
     .GetExecutionProviderType = op_provider, .GetInputType = op_input_type,             \
-    .GetInputTypeCount = op_input_count, .GetOutputType = op_output_type,               \
+    .GetInputTypeCount = op_input_count, .GetOutputType = float_type,               \
     .GetOutputTypeCount = op_output_count, .KernelDestroy = destroy_kernel,             \
     .GetInputCharacteristic = op_required, .GetOutputCharacteristic = op_required,      \
     .GetInputMemoryType = op_input_memory, .GetVariadicInputMinArity = op_one,          \
@@ -862,6 +865,124 @@ static const OrtCustomOp g_attend = ATTEND_OP;
 static const OrtCustomOp g_attend_int8 = ATTEND_OP;
 static const OrtCustomOp g_attend_half = ATTEND_OP;
 
+/* ---- SkipRMSNorm ---- */
+
+#define NORM_NAME "SkipRMSNorm"
+/* A pass's rows go to the pool once it has NORM_MIN_VALUES values a task (a prompt's): a
+ * verify pass's few rows take less time than waking a thread. */
+#define NORM_MIN_VALUES ((int64_t)1 << 15)
+#define norm_error(api, code, ...) error_in(NORM_NAME, api, code, __VA_ARGS__)
+
+typedef struct {
+  const OrtApi *api;
+  float eps;
+  int64_t cpus;
+} NormKernel;
+
+static OrtStatus *ORT_API_CALL norm_create(const OrtCustomOp *op, const OrtApi *api,
+                                           const OrtKernelInfo *info, void **kernel) {
+  (void)op;
+  *kernel = NULL;
+  float eps;
+  OrtStatus *absent = api->KernelInfoGetAttribute_float(info, "epsilon", &eps);
+  if (absent != NULL) {
+    api->ReleaseStatus(absent);
+    return norm_error(api, ORT_INVALID_ARGUMENT, "needs a float attribute 'epsilon'");
+  }
+  NormKernel *k = (NormKernel *)malloc(sizeof *k);
+  if (k == NULL) return norm_error(api, ORT_FAIL, "out of memory");
+  *k = (NormKernel){api, eps, online_cpus()};
+  *kernel = k;
+  return NULL;
+}
+
+typedef struct {
+  const float *x, *skip, *gamma;
+  float *y, *sum;
+  int64_t M, K, tasks;
+  float eps;
+} NormJob;
+
+static void norm_task(void *user_data, size_t i) {
+  const NormJob *j = (const NormJob *)user_data;
+  const int64_t m0 = j->M * (int64_t)i / j->tasks, m1 = j->M * ((int64_t)i + 1) / j->tasks;
+  norm_skip_rms(j->x + m0 * j->K, j->skip + m0 * j->K, j->gamma, m1 - m0, j->K, j->eps,
+                j->y + m0 * j->K, j->sum + m0 * j->K);
+}
+
+static OrtStatus *ORT_API_CALL norm_compute(void *kernel, OrtKernelContext *ctx) {
+  const NormKernel *k = (const NormKernel *)kernel;
+  const OrtApi *api = k->api;
+  const OrtValue *in[3];
+  OrtStatus *st;
+  for (size_t i = 0; i < 3; i++) {
+    in[i] = NULL;
+    if ((st = api->KernelContext_GetInput(ctx, i, &in[i])) != NULL) return st;
+    if (in[i] == NULL) return norm_error(api, ORT_INVALID_ARGUMENT, "input %zu is missing", i);
+  }
+  int64_t dims[MAX_RANK], skip[MAX_RANK], gamma[MAX_RANK];
+  size_t rank, skip_rank, gamma_rank;
+  if ((st = get_shape(api, in[0], dims, &rank)) != NULL ||
+      (st = get_shape(api, in[1], skip, &skip_rank)) != NULL ||
+      (st = get_shape(api, in[2], gamma, &gamma_rank)) != NULL)
+    return st;
+  if (rank < 1 || skip_rank != rank || memcmp(dims, skip, rank * sizeof *dims) != 0)
+    return norm_error(api, ORT_INVALID_ARGUMENT, "skip must have X's shape");
+  const int64_t K = dims[rank - 1];
+  if (gamma_rank != 1 || gamma[0] != K || K % 16 != 0)
+    return norm_error(api, ORT_INVALID_ARGUMENT, "gamma must be [K], K (X's last dimension, "
+                      "%lld) a multiple of 16", (long long)K);
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < rank; i++) M *= dims[i];
+  OrtValue *out = NULL, *sum = NULL;
+  void *px, *pskip, *pgamma, *py, *psum;
+  if ((st = api->KernelContext_GetOutput(ctx, 0, dims, rank, &out)) != NULL ||
+      (st = api->KernelContext_GetOutput(ctx, 1, dims, rank, &sum)) != NULL)
+    return st;
+  if (M == 0) return NULL;
+  if ((st = api->GetTensorMutableData((OrtValue *)in[0], &px)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[1], &pskip)) != NULL ||
+      (st = api->GetTensorMutableData((OrtValue *)in[2], &pgamma)) != NULL ||
+      (st = api->GetTensorMutableData(out, &py)) != NULL ||
+      (st = api->GetTensorMutableData(sum, &psum)) != NULL)
+    return st;
+  NormJob job = {(const float *)px, (const float *)pskip, (const float *)pgamma, (float *)py,
+                 (float *)psum, M, K, M * K / NORM_MIN_VALUES, k->eps};
+  if (job.tasks > k->cpus) job.tasks = k->cpus;
+  if (job.tasks > M) job.tasks = M;
+  if (job.tasks <= 1) {
+    job.tasks = 1;
+    norm_task(&job, 0);
+    return NULL;
+  }
+  return api->KernelContext_ParallelFor(ctx, norm_task, (size_t)job.tasks, (size_t)job.tasks,
+                                        &job);
+}
+
+static const char *ORT_API_CALL norm_name(const OrtCustomOp *op) {
+  (void)op;
+  return NORM_NAME;
+}
+static size_t ORT_API_CALL norm_input_count(const OrtCustomOp *op) {
+  (void)op;
+  return 3;
+}
+static size_t ORT_API_CALL norm_output_count(const OrtCustomOp *op) {
+  (void)op;
+  return 2;
+}
+static const OrtCustomOp g_norm = {
+    .version = EDGESPEC_ORT_API_VERSION, .GetName = norm_name,
+    .GetExecutionProviderType = op_provider, .GetInputType = float_type,
+    .GetInputTypeCount = norm_input_count, .GetOutputType = float_type,
+    .GetOutputTypeCount = norm_output_count, .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = op_required, .GetOutputCharacteristic = op_required,
+    .GetInputMemoryType = op_input_memory, .GetVariadicInputMinArity = op_one,
+    .GetVariadicInputHomogeneity = op_one, .GetVariadicOutputMinArity = op_one,
+    .GetVariadicOutputHomogeneity = op_one, .CreateKernelV2 = norm_create,
+    .KernelComputeV2 = norm_compute,
+};
+
 /* ---- entry point ---- */
 
 EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options,
@@ -890,5 +1011,6 @@ EDGESPEC_EXPORT OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *opt
   if ((st = api->CustomOpDomain_Add(domain, &g_attend)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend_int8)) != NULL) return st;
   if ((st = api->CustomOpDomain_Add(domain, &g_attend_half)) != NULL) return st;
+  if ((st = api->CustomOpDomain_Add(domain, &g_norm)) != NULL) return st;
   return api->AddCustomOpDomain(options, domain);
 }
