@@ -814,25 +814,30 @@ VNNI static void quantize_vnni(const float *x, BlockqRows *rows, int64_t m0, int
     const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     for (int64_t m = m0; m < m1; ++m) {
         float row_d = 0.0f;
-        int32_t total = 0;
         const float row_inv = rows->rowwise ? to_codes(peak_512(x + m * K, K), &row_d) : 0.0f;
+        __m512i row_codes = _mm512_setzero_si512(); /* row-wise: lane sums, added up once */
         for (int64_t b = 0; b < nb; ++b) {
             const float *v = x + m * K + b * 32;
             const __m512 a[2] = {_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)};
             float d = row_d;
             const __m512 inv = _mm512_set1_ps(rows->rowwise ? row_inv : to_codes(peak_512(v, 32), &d));
-            int32_t sums[2];
+            __m512i c[2];
             for (int i = 0; i < 2; ++i) {
                 const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(a[i], inv), lo), hi);
-                const __m512i c = _mm512_cvtps_epi32(
+                c[i] = _mm512_cvtps_epi32(
                     _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
                 _mm_storeu_si128((__m128i *)(rows->q + codes_at(rows, m, b) + i * 16),
-                                 _mm512_cvtepi32_epi8(c));
-                sums[i] = _mm512_reduce_add_epi32(c);
+                                 _mm512_cvtepi32_epi8(c[i]));
             }
-            store_sums(rows, m, b, d, sums[0] + sums[1], sums[0], &total);
+            const __m512i both = _mm512_add_epi32(c[0], c[1]);
+            if (rows->rowwise) {
+                row_codes = _mm512_add_epi32(row_codes, both);
+                continue;
+            }
+            const int32_t first = rows->isum16 != NULL ? _mm512_reduce_add_epi32(c[0]) : 0;
+            store_block(rows, b * rows->M + m, d, _mm512_reduce_add_epi32(both), first);
         }
-        store_row(rows, m, row_d, total);
+        store_row(rows, m, row_d, _mm512_reduce_add_epi32(row_codes));
     }
 }
 
