@@ -32,31 +32,42 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_verify_cost import pass_ms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ("ort_op.c", "blockq.c", "attend.c")
-HEADERS = ("blockq.h", "ort_abi.h", "attend.h", "simd.h")
+KERNELS = "edgespec/kernels"
+
+
+def kernel_files(rev: str) -> list[str]:
+    """The C sources and headers of edgespec/kernels at `rev` (the working tree's: WORK)."""
+    if rev == "WORK":
+        names = [p.name for p in (ROOT / KERNELS).iterdir()]
+    else:
+        listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNELS}"], cwd=ROOT,
+                                capture_output=True, text=True)
+        if listed.returncode:
+            raise SystemExit(f"git has no {KERNELS} at revision '{rev}'; name a commit of "
+                             "this repository that has the kernels, or WORK.")
+        names = listed.stdout.split()
+    return sorted(n for n in names if n.endswith((".c", ".h")))
 
 
 def build(rev: str, out: Path) -> Path:
     """The kernel library of revision `rev` ("WORK": the working tree) in `out`."""
     src = out / rev
     src.mkdir()
-    for name in SOURCES + HEADERS:
-        path = f"edgespec/kernels/{name}"
+    files = kernel_files(rev)
+    for name in files:
+        path = f"{KERNELS}/{name}"
         if rev == "WORK":
             text = (ROOT / path).read_bytes()
         else:
-            shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT,
-                                   capture_output=True)
-            if shown.returncode:
-                raise SystemExit(f"git has no {path} at revision '{rev}'; name a commit of "
-                                 "this repository that has the kernels, or WORK.")
-            text = shown.stdout
+            text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT,
+                                  capture_output=True, check=True).stdout
         (src / name).write_bytes(text)
     lib = src / "kernels.so"
     try:
+        sources = [str(src / name) for name in files if name.endswith(".c")]
         built = subprocess.run(["gcc", "-O3", "-ffp-contract=off", "-std=c11", "-shared",
-                                "-fPIC", *(str(src / s) for s in SOURCES), "-o", str(lib),
-                                "-lm"], capture_output=True, text=True)
+                                "-fPIC", *sources, "-o", str(lib), "-lm"],
+                               capture_output=True, text=True)
     except FileNotFoundError:
         raise SystemExit("gcc is not installed; install it to build the kernel libraries.") \
             from None
