@@ -459,22 +459,26 @@ def test_hadamard_is_the_butterflies_and_sylvesters_matrix_on_every_path(b):
         assert np.array_equal(got, want), path
 
 
-def test_row_product_of_a_rotated_gated_input_is_numpys_bit_for_bit_on_every_path():
-    """RowQMatMul with gated and hadamard (a rotated down projection on its MLP's gate-up
-    output): silu(gate) · up (the library's own, checked above against numpy), the block
-    Hadamard (fwht), then row_product, exactly, on every path, 1 to 33 rows."""
+@pytest.mark.parametrize("gated", [True, False])
+def test_row_product_of_a_rotated_input_is_numpys_bit_for_bit_on_every_path(gated):
+    """RowQMatMul with hadamard (a rotated down projection), on its MLP's gate-up output
+    (`gated`: silu(gate) · up, the library's own, checked above against numpy) or on its
+    input as it is: the block Hadamard (fwht), then row_product, exactly, on every path,
+    1 to 33 rows."""
     rng = np.random.default_rng(15)
     k, b = 384, 128
     u = rng.integers(1, 256, (48, k), dtype=np.uint8)
     s = (rng.random(48) * 0.01 + 1e-4).astype(np.float32)
-    x = (rng.standard_normal((1, 33, 2 * k)) * 3).astype(np.float32)
-    act = np.zeros((33, k), np.float32)
-    lib = ctypes.CDLL(str(kernels.library()))
-    lib.blockq_silu_mul(ctypes.c_void_p(x.ctypes.data), ctypes.c_int64(33), ctypes.c_int64(k),
-                        ctypes.c_void_p(act.ctypes.data))
+    x = (rng.standard_normal((1, 33, 2 * k if gated else k)) * 3).astype(np.float32)
+    act = x[0]
+    if gated:
+        act = np.zeros((33, k), np.float32)
+        ctypes.CDLL(str(kernels.library())).blockq_silu_mul(
+            ctypes.c_void_p(x.ctypes.data), ctypes.c_int64(33), ctypes.c_int64(k),
+            ctypes.c_void_p(act.ctypes.data))
     want = row_product(u, s, fwht(act, b))
     for _, path in every_path():
-        run = kernels.op_session(row_graph(u, s, gated=True, hadamard=b), 2)
+        run = kernels.op_session(row_graph(u, s, gated=gated, hadamard=b), 2)
         for rows in (1, 5, 17, 33):
             got = run.run(None, {"x": x[:, :rows]})[0][0]
             assert np.array_equal(got, want[:rows]), (path, rows)

@@ -1,5 +1,5 @@
 /* ort_op.c: ONNX Runtime custom-op library with edgespec.BlockQMatMul, BlockQMatMulHalf,
- * BlockQMatMulK and Attention (CPU).
+ * BlockQMatMulK, RowQMatMul, Attention (and its Int8 and Half caches) and SkipRMSNorm (CPU).
  *
  * Load with onnxruntime.SessionOptions().register_custom_ops_library(path); the runtime then
  * calls RegisterCustomOps below. Only the C ABI slice declared in ort_abi.h is used.
@@ -469,7 +469,7 @@ static int ORT_API_CALL op_one(const OrtCustomOp *op) {
   {                                                                                     \
     .version = EDGESPEC_ORT_API_VERSION, .GetName = op_name,                            \
     .GetExecutionProviderType = op_provider, .GetInputType = op_input_type,             \
-    .GetInputTypeCount = op_input_count, .GetOutputType = float_type,               \
+    .GetInputTypeCount = op_input_count, .GetOutputType = float_type,                   \
     .GetOutputTypeCount = op_output_count, .KernelDestroy = destroy_kernel,             \
     .GetInputCharacteristic = op_required, .GetOutputCharacteristic = op_required,      \
     .GetInputMemoryType = op_input_memory, .GetVariadicInputMinArity = op_one,          \
