@@ -12,7 +12,6 @@ import ctypes
 from collections.abc import Iterator
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
@@ -532,9 +531,9 @@ def skip_rms(x: np.ndarray, skip: np.ndarray, gamma: np.ndarray, eps: float):
     return (total * inv) * gamma, total
 
 
-def norm_graph(k: int, eps: float, ours: bool = True) -> onnx.ModelProto:
+def norm_graph(k: int, eps: float, ours: bool = True) -> helper.GraphProto:
     """SkipRMSNorm, or ONNX Runtime's SkipSimplifiedLayerNormalization, over x, skip [1, S, k]
-    and gamma [k]."""
+    and gamma."""
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, "S", k])
           for n in ("x", "skip")]
     gamma = helper.make_tensor_value_info("gamma", TensorProto.FLOAT, ["G"])
@@ -545,17 +544,7 @@ def norm_graph(k: int, eps: float, ours: bool = True) -> onnx.ModelProto:
     else:
         node = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"],
                                 ["y", "", "", "sum"], domain="com.microsoft", epsilon=eps)
-    return helper.make_model(helper.make_graph([node], "g", io + [gamma], outs), opset_imports=[
-        helper.make_opsetid("", 21), helper.make_opsetid(kernels.DOMAIN, 1),
-        helper.make_opsetid("com.microsoft", 1)])
-
-
-def norm_session(model: onnx.ModelProto, threads: int = 2) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    kernels.register(opts)
-    return ort.InferenceSession(model.SerializeToString(), opts,
-                                providers=["CPUExecutionProvider"])
+    return helper.make_graph([node], "g", io + [gamma], outs)
 
 
 def test_skip_rms_norm_is_numpys_bit_for_bit_on_every_path_and_onnx_runtimes_within_rounding():
@@ -571,19 +560,19 @@ def test_skip_rms_norm_is_numpys_bit_for_bit_on_every_path_and_onnx_runtimes_wit
     want_y, want_sum = skip_rms(x[0], skip[0], gamma, eps)
     for _, path in every_path():
         for threads in (1, 2):
-            run = norm_session(norm_graph(k, eps), threads)
+            run = kernels.op_session(norm_graph(k, eps), threads)
             for rows in (1, 5, 17, 80):
                 y, total = run.run(None, {"x": x[:, :rows], "skip": skip[:, :rows],
                                           "gamma": gamma})
                 assert np.array_equal(total[0], want_sum[:rows]), (path, threads, rows)
                 assert np.array_equal(y[0], want_y[:rows]), (path, threads, rows)
-    theirs = norm_session(norm_graph(k, eps, ours=False)).run(
+    theirs = kernels.op_session(norm_graph(k, eps, ours=False), 2).run(
         None, {"x": x, "skip": skip, "gamma": gamma})[0][0]
     assert np.abs(theirs - want_y).max() < 1e-5 * np.abs(want_y).max()
 
 
 def test_skip_rms_norm_refuses_bad_inputs_with_the_reason():
-    run = norm_session(norm_graph(48, 1e-6))
+    run = kernels.op_session(norm_graph(48, 1e-6), 2)
     x = np.zeros((1, 2, 48), np.float32)
     with pytest.raises(Exception, match="skip must have X's shape"):
         run.run(None, {"x": x, "skip": np.zeros((1, 3, 48), np.float32),

@@ -110,11 +110,13 @@ def register(opts: ort.SessionOptions) -> None:
 
 
 def op_session(graph: onnx.GraphProto, threads: int) -> ort.InferenceSession:
-    """A CPU session over a bare graph of the kernels' ops (tests, tools/bench_kernel.py)."""
+    """A CPU session over a bare graph of the kernels' ops, or of ONNX Runtime's contrib ops
+    they stand in for (tests, tools/bench_kernel.py)."""
     from onnx import helper
 
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
-                                                    helper.make_opsetid(DOMAIN, 1)])
+    model = helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 21), helper.make_opsetid(DOMAIN, 1),
+        helper.make_opsetid("com.microsoft", 1)])
     from edgespec.runtimes.pool import session_options
 
     opts = session_options(threads)

@@ -837,7 +837,7 @@ VNNI static void quantize_vnni(const float *x, BlockqRows *rows, int64_t m0, int
             const int32_t first = rows->isum16 != NULL ? _mm512_reduce_add_epi32(c[0]) : 0;
             store_block(rows, b * rows->M + m, d, _mm512_reduce_add_epi32(both), first);
         }
-        store_row(rows, m, row_d, _mm512_reduce_add_epi32(row_codes));
+        if (rows->rowwise) store_row(rows, m, row_d, _mm512_reduce_add_epi32(row_codes));
     }
 }
 

@@ -54,9 +54,9 @@ int blockq_layout(void);
  * multiplies together lie side by side at fixed offsets. With sum16 and isum16 (else NULL),
  * the same of each half of a block too, at (b*M + m)*2 + half: what weights in sub-blocks
  * of 16 need. `rowwise`: every block of a row is coded by the row's peak, for row-wise
- * products, and d, sum and isum are the row's, at m (the sum over all of K); where K % 64 == 0 such rows keep each pair
- * of blocks together, row m's codes of blocks 2c and 2c+1 at q + (c*M + m)*64 (64 bytes a
- * row: an AMX tile's). */
+ * products, and d, sum and isum are the row's, at m (the sum over all of K); where
+ * K % 64 == 0 such rows keep each pair of blocks together, row m's codes of blocks 2c and
+ * 2c+1 at q + (c*M + m)*64 (64 bytes a row: an AMX tile's). */
 typedef struct {
     int8_t *q;
     float *d, *sum;

@@ -250,6 +250,25 @@ static void *scratch_part(Scratch *s, size_t bytes) {
 
 static void scratch_close(Scratch *s) { free(s->own); }
 
+/* Runs fn's `tasks` tasks (at least one): a single one inline, with no hand-out to the pool. */
+static OrtStatus *run_tasks(const OrtApi *api, OrtKernelContext *ctx,
+                            void (*fn)(void *, size_t), int64_t tasks, void *data) {
+  if (tasks == 1) {
+    fn(data, 0);
+    return NULL;
+  }
+  return api->KernelContext_ParallelFor(ctx, fn, (size_t)tasks, (size_t)tasks, data);
+}
+
+/* The tasks a pass's `rows` rows of `values` values in all are split into, a run of rows
+ * each: one per `min_values`, at most one per CPU and per row, at least one. */
+static int64_t row_tasks(int64_t values, int64_t min_values, int64_t cpus, int64_t rows) {
+  int64_t tasks = values / min_values;
+  if (tasks > cpus) tasks = cpus;
+  if (tasks > rows) tasks = rows;
+  return tasks < 1 ? 1 : tasks;
+}
+
 /* Checks that v is 1-D with `expected` elements. */
 static OrtStatus *check_vector(const OrtApi *api, const OrtValue *v, const char *what,
                                int64_t expected, const char *rule) {
@@ -389,17 +408,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
                      halves ? (int32_t *)scratch_part(&scratch, halves * sizeof(int32_t)) : NULL,
                      k->rowwise};
   float *act = acts ? (float *)scratch_part(&scratch, acts) : NULL;
-  PrepareJob prepare = {(const float *)px, act, &rows, M * width / PREPARE_MIN_VALUES, k->gated,
+  PrepareJob prepare = {(const float *)px, act, &rows,
+                        row_tasks(M * width, PREPARE_MIN_VALUES, k->cpus, M), k->gated,
                         k->hadamard};
-  if (prepare.tasks > k->cpus) prepare.tasks = k->cpus;
-  if (prepare.tasks > M) prepare.tasks = M;
-  if (prepare.tasks <= 1) {
-    prepare.tasks = 1;
-    prepare_task(&prepare, 0);
-  } else if ((st = api->KernelContext_ParallelFor(ctx, prepare_task, (size_t)prepare.tasks,
-                                                  (size_t)prepare.tasks, &prepare)) != NULL) {
-    goto done;
-  }
+  if ((st = run_tasks(api, ctx, prepare_task, prepare.tasks, &prepare)) != NULL) goto done;
 
   ColumnsJob job = {&rows, {(const uint8_t *)pcodes, pscales, poffsets, N, bits, k->half,
                             k->codebook ? blockq_iq4 : NULL, (const int8_t *)psub_scales,
@@ -411,10 +423,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *ctx) {
   if (tasks > TASKS_PER_CPU * k->cpus) tasks = TASKS_PER_CPU * k->cpus;
   if (tasks < 1) tasks = 1;
   job.tasks = tasks;
-  if (tasks == 1)
-    columns_task(&job, 0);
-  else
-    st = api->KernelContext_ParallelFor(ctx, columns_task, (size_t)tasks, (size_t)tasks, &job);
+  st = run_tasks(api, ctx, columns_task, tasks, &job);
 
 done:
   scratch_close(&scratch);
@@ -609,11 +618,7 @@ static OrtStatus *attend_step(const OrtApi *api, OrtKernelContext *ctx, AttendJo
   j->units = units;
   j->tasks = tasks;
   j->per = per;
-  if (tasks == 1) {
-    attend_task(j, 0);
-    return NULL;
-  }
-  return api->KernelContext_ParallelFor(ctx, attend_task, (size_t)tasks, (size_t)tasks, j);
+  return run_tasks(api, ctx, attend_task, tasks, j);
 }
 
 /* A pass of more than one token that fits one block (a verify pass) runs as units of a run
@@ -947,16 +952,8 @@ static OrtStatus *ORT_API_CALL norm_compute(void *kernel, OrtKernelContext *ctx)
       (st = api->GetTensorMutableData(sum, &psum)) != NULL)
     return st;
   NormJob job = {(const float *)px, (const float *)pskip, (const float *)pgamma, (float *)py,
-                 (float *)psum, M, K, M * K / NORM_MIN_VALUES, k->eps};
-  if (job.tasks > k->cpus) job.tasks = k->cpus;
-  if (job.tasks > M) job.tasks = M;
-  if (job.tasks <= 1) {
-    job.tasks = 1;
-    norm_task(&job, 0);
-    return NULL;
-  }
-  return api->KernelContext_ParallelFor(ctx, norm_task, (size_t)job.tasks, (size_t)job.tasks,
-                                        &job);
+                 (float *)psum, M, K, row_tasks(M * K, NORM_MIN_VALUES, k->cpus, M), k->eps};
+  return run_tasks(api, ctx, norm_task, job.tasks, &job);
 }
 
 static const char *ORT_API_CALL norm_name(const OrtCustomOp *op) {
