@@ -179,14 +179,15 @@ def cli() -> None:
 @click.option("--accuracy-level", type=click.Choice(["0", "4"]), default="4",
               show_default=True,
               help="Quantized matmuls: 4 = int8 activations (fast on CPU), 0 = fp32.")
-@click.option("--quant", type=click.Choice(["k", "sym", "asym", "rot"]), default="k",
-              show_default=True,
-              help="k: int4/int8 as llama.cpp's Q4_K_M/Q8_0 recipe (its types and error "
-                   "search; calibrated: importance-weighted, GPTQ codes; --block-size does "
-                   "not apply); sym/asym: "
+@click.option("--quant", type=click.Choice(["auto", "k", "sym", "asym", "rot"]),
+              default="auto", show_default=True,
+              help="rot: int8 with rotated weights and the exact integer GEMM, whose "
+                   "multi-token passes cost least (cpu profile); k: int4/int8 as llama.cpp's "
+                   "Q4_K_M/Q8_0 recipe (its types and error search; calibrated: "
+                   "importance-weighted, GPTQ codes; --block-size does not apply); sym/asym: "
                    "plain blocks of --block-size, asym with a zero point each (int2 and "
-                   "--draft nested always); rot: int8 with rotated weights and the exact "
-                   "integer GEMM, whose multi-token passes cost least (cpu profile).")
+                   "--draft nested always); auto: rot where edgespec's kernels run it "
+                   "(int8 float weights on the cpu profile, not Gemma 2/3), else k.")
 @click.option("--calibration", default="self", show_default=True,
               help="What --quant k and rot measure each layer's inputs on (importance "
                    "weights, GPTQ): 'self' (the model's own generations), a text file, or "
@@ -229,10 +230,6 @@ def export(target: str, draft: str | None, nest: str, out: Path, precision: str,
         err.print(f"note: --draft nested re-quantizes {target}'s weights into int8 4+4 codes "
                   "(BitNest), so they do not keep their GGUF types and the bundle is about "
                   "twice the file; the default draft keeps them.", highlight=False)
-    if is_gguf(Path(target)) and quant == "rot":
-        err.print(f"note: --quant rot re-quantizes {target}'s weights into rotated int8 "
-                  "(calibrated in float first, which takes minutes), so they do not keep "
-                  "their GGUF types.", highlight=False)
     if gguf_codes:
         said = [f"{' and '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to its "
                 "float tensors only"] if given else []

@@ -154,15 +154,51 @@ def test_smollm2_nested_target_chains_are_bitwise(smollm2_dir):
     assert_exact(smollm2(smollm2_dir, "int8", block=16, draft="nested"))
 
 
+def engine_and_answers(bundle):
+    """The bundle's engine and its greedy AR answers to the chat prompts (the oracle)."""
+    engine = edgespec.load(bundle, device="cpu")
+    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in CHAT]
+    return engine, [(ids, engine.generate(ids, max_new_tokens=32, mode="ar").token_ids)
+                    for ids in prompts]
+
+
 @pytest.fixture(scope="module")
 def smollm2_ar(smollm2_dir):
     """The default precision (int8) with a BitNest draft, and its greedy AR answers."""
-    engine = edgespec.load(smollm2(smollm2_dir, "int8", block=16, draft="nested"),
-                           device="cpu")
-    prompts = [engine.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in CHAT]
-    yield engine, [(ids, engine.generate(ids, max_new_tokens=32, mode="ar").token_ids)
-                   for ids in prompts]
+    engine, answers = engine_and_answers(smollm2(smollm2_dir, "int8", block=16,
+                                                 draft="nested"))
+    yield engine, answers
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_default(smollm2_dir):
+    """SmolLM2's float weights exported as `edgespec export` does by default (quant auto,
+    KV cache auto, the head shipped for this model), and its greedy AR answers."""
+    engine, answers = engine_and_answers(smollm2(smollm2_dir, "int8", kv="auto",
+                                                 quant="auto"))
+    yield engine, answers
+    engine.close()
+
+
+def test_smollm2_default_export_is_rotated_int8_with_its_head(smollm2_default):
+    """auto picks the exact integer GEMM on rotated weights where the kernel library is
+    built (its passes of several tokens cost least), else llama.cpp's Q8_0 recipe."""
+    engine, _ = smollm2_default
+    manifest = engine.manifest
+    assert manifest.provenance["quant"] == ("rot" if kernels.for_export() else "k")
+    assert manifest.draft is not None and manifest.draft.kind == "eagle"
+    assert_exact(engine.path)
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode="lookup"), dict(mode="spec"),
+                                    dict(mode="spec", draft_tokens=4),
+                                    dict(mode="spec", tree_budget=8)],
+                         ids=["lookup", "head", "head-chain4", "head-tree8"])
+def test_smollm2_default_greedy_speculation_equals_ar(smollm2_default, kwargs):
+    engine, answers = smollm2_default
+    for ids, ar in answers:
+        assert engine.generate(ids, max_new_tokens=32, **kwargs).token_ids == ar
 
 
 @pytest.mark.parametrize("kwargs", [dict(mode="lookup"), dict(mode="lookup", draft_tokens=16),

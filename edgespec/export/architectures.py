@@ -144,6 +144,8 @@ def inverse_frequencies(config: dict[str, Any], head_dim: int, path: Any,
 class LlamaAdapter:
     """Llama 1-3.x and Mistral: the reference layout every other adapter varies."""
 
+    branch_norms = False  # norms on the attention and MLP outputs, which rotations cannot pass
+
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
         c = ckpt.config
@@ -324,6 +326,8 @@ class Gemma2Adapter(GemmaAdapter):
     """Gemma-2: sandwich norms, attention and final soft-capping, a query scale of its
     own, and sliding-window attention on alternate layers."""
 
+    branch_norms = True
+
     def __init__(self, ckpt: Checkpoint):
         super().__init__(ckpt)
         c = ckpt.config
@@ -411,11 +415,23 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
             "num_attention_heads", "rms_norm_eps")
 
 
+def architecture(config: dict[str, Any]) -> str:
+    """The causal LM class a config names, as transformers' AutoModelForCausalLM reads it."""
+    if config.get("architectures"):
+        return config["architectures"][0]
+    model_type = config.get("model_type", "unknown")
+    return MODEL_TYPES.get(model_type, model_type)
+
+
+def takes_rotations(config: dict[str, Any]) -> bool:
+    """Whether `--quant rot` can fold its rotations into this architecture's weights."""
+    adapter = ADAPTERS.get(architecture(config))
+    return adapter is not None and not adapter.branch_norms
+
+
 def adapter_for(ckpt: Checkpoint) -> LlamaAdapter:
-    if not ckpt.config.get("architectures"):  # as transformers' AutoModelForCausalLM reads it
-        model_type = ckpt.config.get("model_type", "unknown")
-        ckpt.config["architectures"] = [MODEL_TYPES.get(model_type, model_type)]
-    archs = ckpt.config["architectures"]
+    ckpt.config["architectures"] = archs = ckpt.config.get("architectures") or [
+        architecture(ckpt.config)]
     if archs[0] not in ADAPTERS:
         raise EdgespecError(f"{ckpt.path}: architecture {archs[0]} is not supported; "
                             f"edgespec exports {', '.join(sorted(ADAPTERS))}.")
