@@ -971,17 +971,24 @@ def test_train_draft_starts_from_a_trained_head_and_refuses_another_models(
         assert not (tmp_path / "x.work").exists()  # refused before any work is kept
 
 
-def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path):
+@pytest.mark.parametrize("quant", ["k", "auto"])
+def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path, quant):
+    """int8 at accuracy level 4, the default precision, as llama.cpp's Q8_0 recipe (k) and
+    as the default picks it (auto: rotated where the kernel library is built)."""
     import edgespec
+    from edgespec import kernels
     from edgespec.bundle import read_manifest
     from edgespec.export import export
 
     path, _ = tiny
-    export(path, tmp_path / "b", draft=trained)  # int8, accuracy level 4: the default
-    # the head gathers the target's own (requantized) embedding codes: one copy on disk
-    draft = read_manifest(tmp_path / "b").draft
-    assert "target.onnx.data" in draft.data_files
-    assert (tmp_path / "b" / "draft.onnx.data").stat().st_size < 4096 * 64  # < the table
+    export(path, tmp_path / "b", draft=trained, quant=quant)
+    manifest = read_manifest(tmp_path / "b")
+    rotated = quant == "auto" and kernels.for_export()
+    assert manifest.provenance["quant"] == ("rot" if rotated else "k")
+    if not rotated:  # the head gathers the target's own (requantized) embedding codes:
+        # one copy on disk (rotated codes are in another basis than the head's states)
+        assert "target.onnx.data" in manifest.draft.data_files
+        assert (tmp_path / "b" / "draft.onnx.data").stat().st_size < 4096 * 64  # < the table
     with edgespec.load(tmp_path / "b") as engine:
         assert engine.default_mode == "spec"
         for prompt in ("def parse(text):", "x = [1, 2, 3]\nfor"):

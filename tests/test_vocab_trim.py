@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
 
 import edgespec
@@ -128,12 +129,22 @@ def test_corpus_source(tmp_path, demo_target, demo_draft):
     assert set(tok.encode("lambda yield", add_special_tokens=False)) <= kept
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_retrim_an_exported_bundle(tmp_path, demo_target, demo_draft, precision):
+@pytest.mark.parametrize("precision,quant,kernels", [
+    ("fp32", "auto", "edgespec"), ("int8", "auto", "edgespec"), ("int8", "k", "edgespec"),
+    ("int8", "rot", "onnxruntime")])
+def test_retrim_an_exported_bundle(tmp_path, demo_target, demo_draft, precision, quant,
+                                   kernels, monkeypatch):
+    """Every head layout: a float MatMul, int8 blocks (k), int8 rows on edgespec's
+    RowQMatMul (auto: rot where the kernel library is built) and on ONNX Runtime's
+    MatMulIntegerToFloat."""
     import subprocess
     import sys
 
-    export(demo_target, tmp_path / "b", draft=demo_draft, precision=precision)
+    monkeypatch.setenv("EDGESPEC_KERNELS", kernels)
+    export(demo_target, tmp_path / "b", draft=demo_draft, precision=precision, quant=quant)
+    ops = {n.op_type for n in onnx.load(tmp_path / "b" / "draft.onnx",
+                                        load_external_data=False).graph.node}
+    assert (quant == "rot" and kernels == "onnxruntime") == ("MatMulIntegerToFloat" in ops)
     with pytest.raises(EdgespecError, match="--k 100000 is at or past the vocabulary's 4096"):
         retrim_bundle(tmp_path / "b", 100000)  # it spoke of re-exporting to keep 100000
     full = edgespec.load(tmp_path / "b")

@@ -132,15 +132,24 @@ def _slice_head(model: onnx.ModelProto, rows: np.ndarray) -> None:
     elif node.domain == DOMAIN:  # the own kernel's tiles of 16 rows
         a = {a.name: a for a in node.attribute}
         codes, *tables = (_constant(model, name) for name in node.input[1:])
-        kept = kept_rows(codes, a["K"].i, a["bits"].i, rows, *tables)
+        bits = 8 if node.op_type == "RowQMatMul" else a["bits"].i
+        if node.op_type == "RowQMatMul":  # one scale per output row, in order, not per lane
+            scale = tables.pop()[rows]
+            kept = (*kept_rows(codes, a["K"].i, bits, rows),
+                    np.concatenate([scale, np.zeros(-len(rows) % 16, scale.dtype)]))
+        else:
+            kept = kept_rows(codes, a["K"].i, bits, rows, *tables)
         done: dict[str, str] = {}  # a K-quant op may read one table twice (μ = σ)
         for i, (name, table) in enumerate(zip(node.input[1:], kept, strict=True), start=1):
             if name not in done:
                 done[name] = sliced(name, table)
             node.input[i] = done[name]
-        a["N"].i = len(kept[0]) * 8 // a["bits"].i // a["K"].i
+        a["N"].i = len(kept[0]) * 8 // bits // a["K"].i
         if a["N"].i != len(rows):  # padded to whole tiles: keep the real rows' logits
             _cut_last_axis(model, node, len(rows))
+    elif node.op_type == "MatMulIntegerToFloat":  # codes [K, N], a scale per column
+        for i, cut in ((1, lambda v: v[:, rows]), (3, lambda v: v[rows])):
+            node.input[i] = sliced(node.input[i], cut(_constant(model, node.input[i])))
     else:  # MatMulNBits: packed blocks, scales (and zero points) per output row, maybe flat
         n = next(a for a in node.attribute if a.name == "N")
         for i, name in enumerate(node.input[1:4], start=1):
