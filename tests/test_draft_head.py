@@ -985,10 +985,10 @@ def test_head_bundle_speculates_and_matches_ar(tiny, trained, tmp_path, quant):
     manifest = read_manifest(tmp_path / "b")
     rotated = quant == "auto" and kernels.for_export()
     assert manifest.provenance["quant"] == ("rot" if rotated else "k")
-    if not rotated:  # the head gathers the target's own (requantized) embedding codes:
-        # one copy on disk (rotated codes are in another basis than the head's states)
-        assert "target.onnx.data" in manifest.draft.data_files
-        assert (tmp_path / "b" / "draft.onnx.data").stat().st_size < 4096 * 64  # < the table
+    # the head gathers the target's own (requantized; rotated: then turned back) embedding
+    # codes: one copy on disk
+    assert "target.onnx.data" in manifest.draft.data_files
+    assert (tmp_path / "b" / "draft.onnx.data").stat().st_size < 4096 * 64  # < the table
     with edgespec.load(tmp_path / "b") as engine:
         assert engine.default_mode == "spec"
         for prompt in ("def parse(text):", "x = [1, 2, 3]\nfor"):

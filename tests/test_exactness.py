@@ -188,6 +188,9 @@ def test_smollm2_default_export_is_rotated_int8_with_its_head(smollm2_default):
     manifest = engine.manifest
     assert manifest.provenance["quant"] == ("rot" if kernels.for_export() else "k")
     assert manifest.draft is not None and manifest.draft.kind == "eagle"
+    # the head gathers its embeddings from the target's (rotated) codes: stored once
+    assert "target.onnx.data" in manifest.draft.data_files
+    assert (engine.path / "draft.onnx.data").stat().st_size < 20e6  # the table is 28 MB
     assert_exact(engine.path)
 
 

@@ -16,6 +16,7 @@ length from the total length, which the graph reads off the bias' last dimension
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -89,6 +90,17 @@ def kv_head_dim(spec: DecoderSpec, attention: str = "gqa") -> int:
     """The head size of the KV cache (padded for GQA, see head_layout)."""
     layout = head_layout(spec) if attention == "gqa" else None
     return layout[0] if layout else spec.head_dim
+
+
+@dataclass
+class RotatedTable:
+    """A draft head's embedding read from a rotated target's own table (export.rotation):
+    the rows gathered as the target gathers them, so the bundle stores them once, then
+    turned back into the model's basis, which the head reads, by `unrotate` (Qᵀ)."""
+
+    table: np.ndarray  # E Q
+    unrotate: np.ndarray
+    rowwise: bool  # the target gathers them from its tied head's row-wise int8 codes
 
 
 class GraphBuilder:
@@ -696,7 +708,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     `hidden_output` adds the final-norm states as output `hidden` [1,S,d] (what an EAGLE
     draft head reads); `fusion` ([d, 2d]) makes the graph such a head: input `hidden_in`
     [1,S,d] is joined to the token embeddings and projected back to d before the layers
-    (edgespec.export.draft_head). `rotation` (export.rotation): the weights given are
+    (edgespec.export.draft_head); its `embeddings` may be a RotatedTable. `rotation`
+    (export.rotation): the weights given are
     rotated ones; the graph runs down_proj's input rotation and the head's input matrix,
     and an int8 graph computes every linear as the exact row-quantized integer GEMM, its
     codes chosen by GPTQ where `hessians` (calibrate, by node name) has the input's XᵀX.
@@ -737,6 +750,9 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     if g.own_kernel:  # its linears, and all others left (see invariant), are exact at one
         # row: only GroupQueryAttention needs two, edgespec's own attention none
         g.two_rows, g.pad_attention = False, not g.own_attention
+    rotated_table = embeddings if isinstance(embeddings, RotatedTable) else None
+    if rotated_table is not None:
+        embeddings = rotated_table.table
     tied = embeddings is lm_head
     if nested or draft_head_rows is not None:  # BitNest nests float weights anew
         embeddings, lm_head = as_float(embeddings), as_float(lm_head)
@@ -774,8 +790,9 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
                                                          present_shape))
 
     float_table = None  # a float embedding table, which a tied float head reads too
-    if g.rowwise and tied:
-        x = linear_ops.gather_rowwise(g, lm_head, "input_ids", "lm_head")
+    if g.rowwise and tied or rotated_table is not None and rotated_table.rowwise:
+        x = linear_ops.gather_rowwise(g, embeddings, "input_ids",
+                                      "lm_head" if tied else "embed")
     elif isinstance(embeddings, QuantizedWeight):
         x = g.gather_rows(embeddings, "input_ids", "lm_head" if tied else "embed")
         if g.dtype != np.float32:
@@ -786,6 +803,9 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
         x = g.node("Gather", [float_table, "input_ids"], ["embed.raw"], "embed")[0]
         if table.dtype != g.dtype:
             x = g.node("Cast", [x], ["embed.out"], "embed.cast", to=g.onnx_dtype)[0]
+    if rotated_table is not None:
+        x = g.node("MatMul", [x, g.fconst("embed.unrotate", rotated_table.unrotate)],
+                   ["embed.unrotated"], "embed.unrotate")[0]
     if spec.embed_scale:
         x = g.node("Mul", [x, g.fconst("embed.scale", spec.embed_scale)], ["embed.scaled"],
                    "embed.scale")[0]

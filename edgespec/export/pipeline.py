@@ -33,7 +33,7 @@ from edgespec.export.draft_head import (
     load_head,
     shipped_head,
 )
-from edgespec.export.graph import build_decoder, kv_head_dim, rows_of
+from edgespec.export.graph import RotatedTable, build_decoder, kv_head_dim, rows_of
 from edgespec.export.kv_quant import calibrate_target, kv_scales
 from edgespec.export.requant import Requantizer
 from edgespec.export.rotation import rotate
@@ -150,11 +150,12 @@ def chosen_quant(quant: str, target: Source, draft: Source | None, precision: st
 class Built(NamedTuple):
     """An exported model's manifest entry, and the embedding and LM head its graph holds
     as built (requantized where the recipe ran): a draft head gathers and scores with the
-    very same codes, so its bundle keeps one copy. None when rotated: those are in another
-    basis than the states a head reads."""
+    very same codes, so its bundle keeps one copy. When rotated, the embedding is the
+    rotated table (turned back in the head's graph) and the head the unrotated float one
+    (the head scores in the model's own basis, its kept rows a copy either way)."""
 
     entry: ModelEntry
-    tables: tuple[Weight, Weight] | None
+    tables: tuple[Weight | RotatedTable, Weight]
 
 
 def _export_model(source: Source, role: str, out: Path, precision: str, block_size: int,
@@ -195,9 +196,12 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
     else:
         embeddings, head, layers = adapter.embeddings(), adapter.lm_head(), adapter.layers()
     final_norm, rotated = adapter.final_norm(), None
+    tables: tuple[Weight | RotatedTable, Weight] = (embeddings, head)
     if quant == "rot":
         progress.update(task, description=f"{role}: rotating")
         rotated = rotate(spec, embeddings, list(layers), final_norm, head)
+        tables = (RotatedTable(rotated.embeddings, rotated.unrotate,
+                               rowwise=embeddings is head and precision == "int8"), head)
         embeddings, head, layers = rotated.embeddings, rotated.lm_head, rotated.layers
         final_norm = np.ones_like(final_norm)
     if head_rows is not None:
@@ -228,8 +232,7 @@ def _export_model(source: Source, role: str, out: Path, precision: str, block_si
         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
         head_dim=kv_head_dim(spec, attention),
         max_positions=spec.max_positions, params=params, source=source.name,
-        nested="target" if nested == "shared" else ""),
-        None if rotated else (embeddings, head))
+        nested="target" if nested == "shared" else ""), tables)
 
 
 def kv_dtype_of(model: onnx.ModelProto) -> str:
@@ -249,20 +252,25 @@ def _save(model: onnx.ModelProto, out: Path, role: str) -> None:
 
 def _export_head(head_path: Path, source: Source, target: Built, out: Path, precision: str,
                  block_size: int, accuracy_level: int, ep_profile: str,
-                 progress: Progress) -> ModelEntry:
+                 progress: Progress, hessians: dict[str, np.ndarray] | None) -> ModelEntry:
     """An EAGLE draft head (export.draft_head) around the target's embedding and head, as
-    the target's graph holds them."""
+    the target's graph holds them. `hessians`: the target's, whose XᵀX of the LM head's
+    input chose a rotated tied head's codes, which the embedding rows are gathered from."""
     task = progress.add_task(f"draft head: {head_path.name}", total=None)
     head = load_head(head_path)
     adapter = adapter_for(source.load())
-    embeddings, lm_head = target.tables or (adapter.embeddings(), adapter.lm_head())
-    check_fits(head, adapter.spec, embeddings, head_path)
+    embeddings, lm_head = target.tables
+    rotated = isinstance(embeddings, RotatedTable)
+    check_fits(head, adapter.spec, adapter.embeddings() if rotated else embeddings, head_path)
     if precision == "gguf" or precision not in EXPORTED_PRECISIONS:
         precision = "int8"  # the head's own float weights; the target's codes stay theirs
+    table_hessian = (hessians or {}).get("lm_head") if rotated else None
     model = build_head_graph(head, adapter.spec, embeddings, lm_head, precision,
                              block_size=block_size, accuracy_level=accuracy_level,
                              dtype=PROFILE_DTYPE[ep_profile],
-                             attention=PROFILE_ATTENTION[ep_profile])
+                             attention=PROFILE_ATTENTION[ep_profile],
+                             hessians=None if table_hessian is None else {
+                                 "embed": table_hessian})
     _save(model, out, "draft")
     data_files = share_weights(out, "draft.onnx", "target.onnx")  # the embedding, once
     np.save(out / "draft_vocab.npy", head.kept)
@@ -577,7 +585,8 @@ def _write(target_src: Source, draft_src: Source | None, out: str | Path, precis
             if head is not None:
                 draft_entry = _export_head(head, target_src, target, tmp,
                                            head_precision or target_entry.precision,
-                                           block_size, accuracy_level, ep_profile, progress)
+                                           block_size, accuracy_level, ep_profile, progress,
+                                           hessians)
             if draft_src:
                 draft_entry = _export_model(draft_src, "draft", tmp, draft_precision,
                                             block_size, accuracy_level, ep_profile, quant,
