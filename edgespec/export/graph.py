@@ -709,8 +709,8 @@ def build_decoder(spec: DecoderSpec, embeddings: Weight, layers: Iterable[LayerW
     draft head reads); `fusion` ([d, 2d]) makes the graph such a head: input `hidden_in`
     [1,S,d] is joined to the token embeddings and projected back to d before the layers
     (edgespec.export.draft_head); its `embeddings` may be a RotatedTable. `rotation`
-    (export.rotation): the weights given are
-    rotated ones; the graph runs down_proj's input rotation and the head's input matrix,
+    (export.rotation): the weights given are rotated ones; the graph runs down_proj's
+    input rotation and the head's input matrix,
     and an int8 graph computes every linear as the exact row-quantized integer GEMM, its
     codes chosen by GPTQ where `hessians` (calibrate, by node name) has the input's XᵀX.
     `last_logits` scores the pass's last row only (logits [1,1,V]): a draft head drafts

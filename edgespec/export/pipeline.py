@@ -133,11 +133,12 @@ def chosen_quant(quant: str, target: Source, draft: Source | None, precision: st
                  draft_precision: str, ep_profile: str, accuracy_level: int, nested: bool,
                  requantize: bool) -> str:
     """"auto" is "rot" wherever it can run on edgespec's kernels, else "k". Rotated int8 on
-    RowQMatMul verifies several tokens for the least (SmolLM2-135M, Intel host: S=17 1.6-1.7x
-    S=1 against int8 blocks' 2.0-2.2x) with a cheaper one-token step (6.1 against 7.4 ms) at
-    the same fidelity (KL 0.0034 against 0.0033, calibrated); it needs float weights (a GGUF
-    file keeps its codes unless requantized), int8 everywhere, the cpu profile with int8
-    activations, and an architecture without norms on its branch outputs (not Gemma 2/3)."""
+    RowQMatMul verifies several tokens for the least (SmolLM2-135M, Intel host, five runs:
+    S=17 1.6-2.0x S=1 against int8 blocks' 2.0-2.8x) with a cheaper one-token step (5.4-7.0
+    against 6.7-7.6 ms) at about the same fidelity (KL 0.0035 against 0.0033, calibrated);
+    it needs float weights (a GGUF file keeps its codes unless requantized), int8
+    everywhere, the cpu profile with int8 activations, and architectures without norms on
+    their branch outputs (not Gemma 2/3)."""
     if quant != "auto":
         return quant
     floats = all(src.kind != "gguf" or requantize for src in (target, draft) if src)

@@ -132,12 +132,12 @@ def _slice_head(model: onnx.ModelProto, rows: np.ndarray) -> None:
     elif node.domain == DOMAIN:  # the own kernel's tiles of 16 rows
         a = {a.name: a for a in node.attribute}
         codes, *tables = (_constant(model, name) for name in node.input[1:])
-        bits = 8 if node.op_type == "RowQMatMul" else a["bits"].i
-        if node.op_type == "RowQMatMul":  # one scale per output row, in order, not per lane
-            scale = tables.pop()[rows]
+        if node.op_type == "RowQMatMul":  # 8-bit, a scale per output row, in order (not lanes)
+            bits, scale = 8, tables.pop()[rows]
             kept = (*kept_rows(codes, a["K"].i, bits, rows),
                     np.concatenate([scale, np.zeros(-len(rows) % 16, scale.dtype)]))
         else:
+            bits = a["bits"].i
             kept = kept_rows(codes, a["K"].i, bits, rows, *tables)
         done: dict[str, str] = {}  # a K-quant op may read one table twice (μ = σ)
         for i, (name, table) in enumerate(zip(node.input[1:], kept, strict=True), start=1):
