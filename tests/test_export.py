@@ -332,3 +332,42 @@ def test_a_model_too_big_for_its_hessians_calibrates_importance_only(tmp_path, d
     monkeypatch.setattr(calibrate, "GRAM_BUDGET", 0)
     importance = kl()
     assert gptq < importance < kl(calibration=None)
+
+
+def source_of(architecture: str, kind: str = "hf"):
+    from edgespec.export.source import Source
+
+    def unread():
+        raise AssertionError("choosing a quantization reads no weights")
+
+    return Source(architecture, Path("."), {"architectures": [architecture]}, [], None,
+                  unread, kind)
+
+
+@pytest.mark.parametrize("change,rotated", [
+    ({}, True), ({"precision": "int4", "draft_precision": "int4"}, False),
+    ({"draft_precision": "int4"}, False), ({"ep_profile": "cuda"}, False),
+    ({"accuracy_level": 0}, False), ({"nested": True}, False),
+    ({"target": "Gemma3ForCausalLM"}, False), ({"target": "Gemma2ForCausalLM"}, False),
+    ({"target": "Qwen3ForCausalLM"}, True), ({"kind": "gguf"}, False),
+    ({"kind": "gguf", "requantize": True}, True), ({"draft": "LlamaForCausalLM"}, True),
+    ({"draft": "Gemma3ForCausalLM"}, False)])
+def test_auto_quantization_is_rot_where_the_kernels_run_it(change, rotated, monkeypatch):
+    """--quant auto: rotated int8 only for float weights at int8 on the cpu profile with
+    int8 activations, the kernel library built, and every model able to take rotations;
+    llama.cpp's recipe everywhere else. A quantization asked for is kept as it is."""
+    from edgespec import kernels
+    from edgespec.export.pipeline import chosen_quant
+
+    case = {"target": "LlamaForCausalLM", "kind": "hf", "draft": None, "precision": "int8",
+            "draft_precision": "int8", "ep_profile": "cpu", "accuracy_level": 4,
+            "nested": False, "requantize": False, **change}
+    target = source_of(case["target"], case["kind"])
+    draft = source_of(case["draft"], case["kind"]) if case["draft"] else None
+    args = (target, draft, case["precision"], case["draft_precision"], case["ep_profile"],
+            case["accuracy_level"], case["nested"], case["requantize"])
+    rot = rotated and kernels.for_export()
+    assert chosen_quant("auto", *args) == ("rot" if rot else "k")
+    assert all(chosen_quant(q, *args) == q for q in ("k", "sym", "asym", "rot"))
+    monkeypatch.setenv("EDGESPEC_KERNELS", "onnxruntime")  # exports for any ONNX Runtime
+    assert chosen_quant("auto", *args) == "k"
